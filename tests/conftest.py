@@ -1,0 +1,30 @@
+"""Test-wide settings: keep every run self-contained (caches, Ray state, wandb) and the 2-core CI box
+from being oversubscribed by thread pools."""
+
+import os
+import tempfile
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_CACHE = os.environ.setdefault("BALLAST_CACHE_DIR", os.path.join(_ROOT, ".cache"))
+
+# Set before torch/ray/vllm are imported by any test module.
+for key, value in {
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_DEDUP_LOGS": "0",
+    "WANDB_MODE": "disabled",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CACHE_ROOT": os.path.join(_CACHE, "vllm"),
+    "TORCHINDUCTOR_CACHE_DIR": os.path.join(_CACHE, "inductor"),
+}.items():
+    os.environ.setdefault(key, value)
+os.makedirs(_CACHE, exist_ok=True)
+tempfile.tempdir = None
