@@ -1,0 +1,140 @@
+"""Advantage estimators (a registry: GAE, GRPO, RLOO, REINFORCE++), pure torch on the driver.
+
+All take response-aligned (B, R) tensors and return `(advantages, returns)`, both (B, R) and zero
+outside `response_mask`. `index` holds the prompt uid of every sample: the outcome-level estimators
+compare the samples of one prompt with each other.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+AdvantageFn = Callable[..., Tuple[torch.Tensor, torch.Tensor]]
+ADV_ESTIMATORS: Dict[str, AdvantageFn] = {}
+_EPS = 1e-6
+
+
+def register_adv_estimator(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
+    def wrap(fn: AdvantageFn) -> AdvantageFn:
+        if name in ADV_ESTIMATORS:
+            raise ValueError(f"advantage estimator {name!r} is registered twice")
+        ADV_ESTIMATORS[name] = fn
+        return fn
+
+    return wrap
+
+
+def get_adv_estimator(name: str) -> AdvantageFn:
+    if name not in ADV_ESTIMATORS:
+        raise ValueError(f"algorithm.adv_estimator={name!r} is not one of {sorted(ADV_ESTIMATORS)}")
+    return ADV_ESTIMATORS[name]
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
+    mask = mask.to(values.dtype)
+    return (values * mask).sum(dim) / mask.sum(dim).clamp_min(1.0)
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """Normalise to zero mean / unit variance over the masked entries (unbiased variance)."""
+    mask_f = mask.to(values.dtype)
+    count = mask_f.sum()
+    mean = (values * mask_f).sum() / count.clamp_min(1.0)
+    var = (((values - mean) * mask_f) ** 2).sum() / (count - 1).clamp_min(1.0)
+    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened * mask_f
+
+
+def _group_ids(index: Sequence) -> Tuple[np.ndarray, int]:
+    """Dense group ids (0..G-1) for the uids in `index`, in order of first appearance."""
+    _, first, inverse = np.unique(np.asarray(index, dtype=object).astype(str), return_index=True, return_inverse=True)
+    order = np.argsort(first)  # make ids follow first appearance, so results never depend on uid spelling
+    remap = np.empty_like(order)
+    remap[order] = np.arange(len(order))
+    return remap[inverse], len(order)
+
+
+def _group_stats(scores: torch.Tensor, index: Sequence) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-sample group mean, unbiased group std and group size."""
+    gid, num_groups = _group_ids(index)
+    gid_t = torch.as_tensor(gid, device=scores.device)
+    size = torch.zeros(num_groups, dtype=scores.dtype, device=scores.device).index_add_(0, gid_t, torch.ones_like(scores))
+    total = torch.zeros_like(size).index_add_(0, gid_t, scores)
+    mean = total / size
+    sq = torch.zeros_like(size).index_add_(0, gid_t, (scores - mean[gid_t]) ** 2)
+    std = torch.sqrt(sq / (size - 1).clamp_min(1.0))
+    return mean[gid_t], std[gid_t], size[gid_t]
+
+
+@register_adv_estimator("grpo")
+def grpo_advantage(*, token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Sequence,
+                   norm_adv_by_std_in_grpo: bool = True, **_) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Outcome advantage: (score - mean of the prompt's group) [/ group std].
+
+    A group of one has no baseline: as in verl it keeps its raw score (mean 0, std 1).
+    """
+    scores = token_level_rewards.sum(dim=-1)
+    mean, std, size = _group_stats(scores, index)
+    mean = torch.where(size > 1, mean, torch.zeros_like(mean))
+    std = torch.where(size > 1, std, torch.ones_like(std))
+    adv = scores - mean
+    if norm_adv_by_std_in_grpo:
+        adv = adv / (std + _EPS)
+    adv = adv.unsqueeze(-1) * response_mask
+    return adv, adv
+
+
+@register_adv_estimator("rloo")
+def rloo_advantage(*, token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Sequence,
+                   **_) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Leave-one-out baseline: score minus the mean of the other samples of the same prompt."""
+    scores = token_level_rewards.sum(dim=-1)
+    mean, _, size = _group_stats(scores, index)
+    loo = torch.where(size > 1, size / (size - 1).clamp_min(1.0) * (scores - mean), scores)
+    adv = loo.unsqueeze(-1) * response_mask
+    return adv, adv
+
+
+def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """G_t = r_t + gamma * G_{t+1}, restarting after the last response token."""
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        running = rewards[:, t] + gamma * running * mask[:, t]
+        returns[:, t] = running
+        running = running * mask[:, t]
+    return returns * mask
+
+
+@register_adv_estimator("reinforce_plus_plus")
+def reinforce_plus_plus_advantage(*, token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
+                                  gamma: float = 1.0, **_) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Token-level discounted returns, whitened over the whole batch."""
+    returns = discounted_returns(token_level_rewards * response_mask, response_mask, gamma)
+    return masked_whiten(returns, response_mask), returns
+
+
+@register_adv_estimator("gae")
+def gae_advantage(*, token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
+                  values: Optional[torch.Tensor] = None, gamma: float = 1.0, lam: float = 1.0,
+                  **_) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation; positions after the last response token are terminal."""
+    if values is None:
+        raise ValueError("algorithm.adv_estimator=gae needs critic values (the batch has no 'values')")
+    mask = response_mask.to(values.dtype)
+    length = token_level_rewards.shape[1]
+    advantages = torch.zeros_like(values)
+    last = torch.zeros_like(values[:, 0])
+    for t in reversed(range(length)):
+        next_value = values[:, t + 1] * mask[:, t + 1] if t + 1 < length else torch.zeros_like(last)
+        next_mask = mask[:, t + 1] if t + 1 < length else torch.zeros_like(last)
+        delta = token_level_rewards[:, t] + gamma * next_value - values[:, t]
+        last = delta + gamma * lam * last * next_mask
+        advantages[:, t] = last
+    returns = (advantages + values) * mask
+    return masked_whiten(advantages, mask), returns

@@ -1,0 +1,114 @@
+"""Policy losses (a registry) and the complete actor loss sent to the workers.
+
+Every per-token quantity is aggregated with the engine's `agg_loss`, which normalises by
+mini-batch-global counts; so the loss of each micro-batch is its exact share of the mini-batch loss
+and the metrics below, computed the same way, add up over micro-batches and DP ranks to mini-batch
+values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, Tuple
+
+import torch
+
+from ballast.engine.losses import agg_loss
+from ballast.trainer.algorithms.kl import kl_penalty
+
+PolicyLossFn = Callable[..., Tuple[torch.Tensor, Dict[str, torch.Tensor]]]
+POLICY_LOSSES: Dict[str, PolicyLossFn] = {}
+
+
+def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    def wrap(fn: PolicyLossFn) -> PolicyLossFn:
+        if name in POLICY_LOSSES:
+            raise ValueError(f"policy loss {name!r} is registered twice")
+        POLICY_LOSSES[name] = fn
+        return fn
+
+    return wrap
+
+
+@dataclass(frozen=True)
+class ActorLossConfig:
+    loss_mode: str = "vanilla"
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0
+    loss_agg_mode: str = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+
+
+@register_policy_loss("vanilla")
+def vanilla_policy_loss(*, log_prob, old_log_prob, advantages, response_mask, norm, cfg: ActorLossConfig):
+    """PPO clipped surrogate with asymmetric clip range and dual clip for negative advantages.
+
+    ratio = exp(logp - old_logp); per token
+        l = max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high))
+    and for A < 0 additionally l = min(l, -A * clip_ratio_c) (dual clip, Ye et al. 2020).
+    """
+    log_ratio = torch.clamp(log_prob - old_log_prob, -20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
+    surrogate = torch.maximum(unclipped, clipped)
+    dual = torch.minimum(surrogate, -advantages * cfg.clip_ratio_c)
+    per_token = torch.where(advantages < 0, dual, surrogate)
+    mode = cfg.loss_agg_mode
+    metrics = {
+        "actor/pg_clipfrac": agg_loss((clipped > unclipped).float(), response_mask, "token-mean", norm),
+        "actor/pg_clipfrac_lower": agg_loss(((surrogate > dual) & (advantages < 0)).float(), response_mask,
+                                            "token-mean", norm),
+        "actor/ppo_kl": agg_loss(-log_ratio, response_mask, "token-mean", norm),
+    }
+    return agg_loss(per_token, response_mask, mode, norm), metrics
+
+
+def actor_loss(outputs: Dict[str, torch.Tensor], micro, norm, *, cfg: ActorLossConfig):
+    """pg_loss - entropy_coeff * entropy + kl_loss_coef * kl(policy || ref), all globally aggregated."""
+    mask = micro["response_mask"].to(outputs["log_probs"].dtype)
+    pg_loss, metrics = POLICY_LOSSES[cfg.loss_mode](
+        log_prob=outputs["log_probs"], old_log_prob=micro["old_log_probs"], advantages=micro["advantages"],
+        response_mask=mask, norm=norm, cfg=cfg,
+    )
+    loss = pg_loss
+    metrics["actor/pg_loss"] = pg_loss.detach()
+    if "entropy" in outputs:
+        entropy = agg_loss(outputs["entropy"], mask, cfg.loss_agg_mode, norm)
+        metrics["actor/entropy"] = entropy.detach()
+        if cfg.entropy_coeff:
+            loss = loss - cfg.entropy_coeff * entropy
+    if cfg.use_kl_loss:
+        kld = kl_penalty(outputs["log_probs"], micro["ref_log_prob"], cfg.kl_loss_type)
+        kl_loss = agg_loss(kld, mask, cfg.loss_agg_mode, norm)
+        metrics["actor/kl_loss"] = kl_loss.detach()
+        metrics["actor/kl_coef"] = torch.tensor(cfg.kl_loss_coef)
+        loss = loss + cfg.kl_loss_coef * kl_loss
+    return loss, {k: v.detach() if torch.is_tensor(v) else v for k, v in metrics.items()}
+
+
+@dataclass(frozen=True)
+class CriticLossConfig:
+    cliprange_value: float = 0.5
+    loss_agg_mode: str = "token-mean"
+
+
+def critic_loss(outputs: Dict[str, torch.Tensor], micro, norm, *, cfg: CriticLossConfig):
+    """Clipped value loss: 0.5 * max((v - R)^2, (clip(v, v_old - c, v_old + c) - R)^2)."""
+    values, old_values, returns = outputs["values"], micro["values"], micro["returns"]
+    mask = micro["response_mask"].to(values.dtype)
+    clipped = old_values + torch.clamp(values - old_values, -cfg.cliprange_value, cfg.cliprange_value)
+    loss_unclipped = (values - returns).square()
+    loss_clipped = (clipped - returns).square()
+    per_token = 0.5 * torch.maximum(loss_unclipped, loss_clipped)
+    loss = agg_loss(per_token, mask, cfg.loss_agg_mode, norm)
+    metrics = {
+        "critic/vf_loss": loss.detach(),
+        "critic/vf_clipfrac": agg_loss((loss_clipped > loss_unclipped).float(), mask, "token-mean", norm).detach(),
+        "critic/vpred_mean": agg_loss(values.detach(), mask, "token-mean", norm),
+    }
+    return loss, metrics

@@ -1,0 +1,229 @@
+"""Per-rank batch sizes derived once from the config and the world layout, frozen.
+
+Workers and the driver read sizes from here; nobody divides config values in place (verl's workers
+rewrite `ppo_mini_batch_size` during init, which makes the same key mean different things in
+different places). Every impossible combination raises `ConfigError` naming the keys and numbers.
+
+    samples_per_step            = data.train_batch_size * rollout.n
+    dp_size (actor)             = world_size // actor.ulysses_sequence_parallel_size
+    rollout_dp                  = world_size // rollout.tensor_model_parallel_size
+    mini_batch_samples          = actor.ppo_mini_batch_size * rollout.n            (global)
+    mini_batch_samples_per_rank = mini_batch_samples // dp_size
+    grad_accum_steps            = mini_batch_samples_per_rank // ppo_micro_batch_size_per_gpu (static)
+    micro_token_budget          = ppo_max_token_len_per_gpu * ulysses_sequence_parallel_size  (dynamic)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+from ballast.trainer.config.loader import ConfigError
+from ballast.trainer.config.model_info import ModelInfo
+from ballast.trainer.config.schema import BallastConfig
+
+
+@dataclass(frozen=True)
+class MicroBatching:
+    """How one role cuts its per-rank batch for one kind of call (train or infer)."""
+
+    use_dynamic_bsz: bool
+    micro_batch_size_per_gpu: Optional[int]
+    max_token_len_per_gpu: Optional[int]
+    micro_token_budget: Optional[int]
+
+
+@dataclass(frozen=True)
+class RoleSizes:
+    dp_size: int
+    sp_size: int
+    samples_per_rank: int
+    infer: MicroBatching
+    # Training roles only (the reference model never trains).
+    mini_batch_samples: Optional[int] = None
+    mini_batch_samples_per_rank: Optional[int] = None
+    num_mini_batches: Optional[int] = None
+    grad_accum_steps: Optional[int] = None
+    train: Optional[MicroBatching] = None
+
+
+@dataclass(frozen=True)
+class DerivedSizes:
+    world_size: int
+    samples_per_step: int
+    max_seq_len_tokens: int
+    rollout_tp: int
+    rollout_dp: int
+    rollout_samples_per_rank: int
+    use_critic: bool
+    use_reference: bool
+    actor: RoleSizes
+    ref: Optional[RoleSizes]
+    critic: Optional[RoleSizes]
+
+    def summary(self) -> List[str]:
+        lines = [
+            f"world_size={self.world_size} samples_per_step={self.samples_per_step} "
+            f"max_seq_len_tokens={self.max_seq_len_tokens}",
+            f"rollout: tp={self.rollout_tp} dp={self.rollout_dp} samples_per_rank={self.rollout_samples_per_rank}",
+        ]
+        for name in ("actor", "ref", "critic"):
+            role: Optional[RoleSizes] = getattr(self, name)
+            if role is None:
+                continue
+            line = f"{name}: dp={role.dp_size} sp={role.sp_size} samples_per_rank={role.samples_per_rank}"
+            if role.train is not None:
+                line += (
+                    f" mini_batch_samples={role.mini_batch_samples} per_rank={role.mini_batch_samples_per_rank}"
+                    f" num_mini_batches={role.num_mini_batches} train={_describe(role.train, role.grad_accum_steps)}"
+                )
+            line += f" infer={_describe(role.infer, None)}"
+            lines.append(line)
+        return lines
+
+
+def _describe(mb: MicroBatching, grad_accum_steps: Optional[int]) -> str:
+    if mb.use_dynamic_bsz:
+        return f"dynamic(budget={mb.micro_token_budget} tokens/micro-batch)"
+    text = f"static({mb.micro_batch_size_per_gpu}/micro-batch"
+    return text + (f", grad_accum={grad_accum_steps})" if grad_accum_steps else ")")
+
+
+def uses_critic(cfg: BallastConfig) -> bool:
+    if cfg.critic.enable is not None:
+        return cfg.critic.enable
+    return cfg.algorithm.adv_estimator == "gae"
+
+
+def uses_reference(cfg: BallastConfig) -> bool:
+    return cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+
+
+def derive_sizes(cfg: BallastConfig, model: Optional[ModelInfo] = None) -> DerivedSizes:
+    """Compute every per-rank size, raising `ConfigError` for the first impossible combination."""
+    trainer, data = cfg.trainer, cfg.data
+    rollout, actor = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.actor
+    world = trainer.nnodes * trainer.n_gpus_per_node
+    n = rollout.n
+    samples = data.train_batch_size * n
+    max_seq = data.max_prompt_length + data.max_response_length
+    samples_key = "data.train_batch_size * actor_rollout_ref.rollout.n"
+
+    tp = rollout.tensor_model_parallel_size
+    tp_key = "actor_rollout_ref.rollout.tensor_model_parallel_size"
+    if tp < 1:
+        raise ConfigError(f"{tp_key}={tp} must be >= 1")
+    _divides(tp, world, tp_key, _WORLD)
+    if model is not None:
+        _divides(tp, model.num_attention_heads, tp_key, "the model's num_attention_heads")
+    rollout_dp = world // tp
+    _divides(rollout_dp, samples, f"rollout dp size (world // {tp_key})", samples_key)
+
+    prefix = "actor_rollout_ref.actor"
+    sp = _sp_size(prefix, actor.ulysses_sequence_parallel_size, world, model)
+    actor_sizes = _train_role(
+        prefix, world, samples, n, sp, actor.ppo_mini_batch_size, data.train_batch_size,
+        train=_micro(prefix, actor.use_dynamic_bsz, actor.ppo_micro_batch_size_per_gpu,
+                     actor.ppo_max_token_len_per_gpu, sp, max_seq, "ppo_micro_batch_size_per_gpu",
+                     "ppo_max_token_len_per_gpu", "use_dynamic_bsz"),
+        infer=_micro("actor_rollout_ref.rollout", rollout.log_prob_use_dynamic_bsz,
+                     rollout.log_prob_micro_batch_size_per_gpu, rollout.log_prob_max_token_len_per_gpu, sp, max_seq),
+    )
+
+    ref_sizes = None
+    if uses_reference(cfg):
+        prefix, ref = "actor_rollout_ref.ref", cfg.actor_rollout_ref.ref
+        sp = _sp_size(prefix, ref.ulysses_sequence_parallel_size, world, model)
+        dp = world // sp
+        _divides(dp, samples, f"{prefix} dp size (world // {prefix}.ulysses_sequence_parallel_size)", samples_key)
+        ref_sizes = RoleSizes(dp, sp, samples // dp, _micro(
+            prefix, ref.log_prob_use_dynamic_bsz, ref.log_prob_micro_batch_size_per_gpu,
+            ref.log_prob_max_token_len_per_gpu, sp, max_seq))
+
+    critic_sizes = None
+    if uses_critic(cfg):
+        prefix, critic = "critic", cfg.critic
+        sp = _sp_size(prefix, critic.ulysses_sequence_parallel_size, world, model)
+        critic_sizes = _train_role(
+            prefix, world, samples, n, sp, critic.ppo_mini_batch_size, data.train_batch_size,
+            train=_micro(prefix, critic.use_dynamic_bsz, critic.ppo_micro_batch_size_per_gpu,
+                         critic.ppo_max_token_len_per_gpu, sp, max_seq, "ppo_micro_batch_size_per_gpu",
+                         "ppo_max_token_len_per_gpu", "use_dynamic_bsz"),
+            infer=_micro(prefix, critic.use_dynamic_bsz, critic.forward_micro_batch_size_per_gpu,
+                         critic.forward_max_token_len_per_gpu, sp, max_seq, "forward_micro_batch_size_per_gpu",
+                         "forward_max_token_len_per_gpu", "use_dynamic_bsz"),
+        )
+    return DerivedSizes(
+        world_size=world, samples_per_step=samples, max_seq_len_tokens=max_seq, rollout_tp=tp,
+        rollout_dp=rollout_dp, rollout_samples_per_rank=samples // rollout_dp, use_critic=critic_sizes is not None,
+        use_reference=ref_sizes is not None, actor=actor_sizes, ref=ref_sizes, critic=critic_sizes,
+    )
+
+
+_WORLD = "world size (trainer.nnodes * trainer.n_gpus_per_node)"
+
+
+def _divides(divisor: int, value: int, divisor_name: str, value_name: str) -> None:
+    if divisor <= 0 or value % divisor != 0:
+        raise ConfigError(f"{value_name}={value} is not divisible by {divisor_name}={divisor}")
+
+
+def _sp_size(prefix: str, sp: int, world: int, model: Optional[ModelInfo]) -> int:
+    key = f"{prefix}.ulysses_sequence_parallel_size"
+    if sp < 1:
+        raise ConfigError(f"{key}={sp} must be >= 1")
+    _divides(sp, world, key, _WORLD)
+    if model is not None:
+        _divides(sp, model.num_attention_heads, key, "the model's num_attention_heads")
+    return sp
+
+
+def _micro(prefix: str, dynamic: bool, micro: Optional[int], max_tokens: int, sp: int, max_seq: int,
+           micro_key: str = "log_prob_micro_batch_size_per_gpu",
+           tokens_key: str = "log_prob_max_token_len_per_gpu",
+           dynamic_key: str = "log_prob_use_dynamic_bsz") -> MicroBatching:
+    """One role's micro-batching for one kind of call; the hard token cap must hold a full sample."""
+    if dynamic:
+        budget = max_tokens * sp
+        if budget < max_seq:
+            raise ConfigError(
+                f"{prefix}.{tokens_key}={max_tokens} x ulysses_sequence_parallel_size={sp} = {budget} tokens "
+                f"is smaller than one full sample: data.max_prompt_length + data.max_response_length = {max_seq}"
+            )
+        return MicroBatching(True, None, max_tokens, budget)
+    if micro is None or micro < 1:
+        raise ConfigError(
+            f"{prefix}.{micro_key}={micro}: set a micro-batch size >= 1, "
+            f"or enable dynamic batch size with {prefix}.{dynamic_key}=True"
+        )
+    return MicroBatching(False, micro, None, None)
+
+
+def _train_role(prefix: str, world: int, samples: int, n: int, sp: int, mini: int, train_batch_size: int, *,
+                train: MicroBatching, infer: MicroBatching) -> RoleSizes:
+    dp = world // sp
+    dp_name = f"{prefix} dp size (world // {prefix}.ulysses_sequence_parallel_size)"
+    _divides(dp, samples, dp_name, "data.train_batch_size * actor_rollout_ref.rollout.n")
+    if mini < 1 or mini > train_batch_size:
+        raise ConfigError(f"{prefix}.ppo_mini_batch_size={mini} must be in [1, data.train_batch_size={train_batch_size}]")
+    if train_batch_size % mini != 0:
+        raise ConfigError(
+            f"data.train_batch_size={train_batch_size} is not divisible by {prefix}.ppo_mini_batch_size={mini}"
+        )
+    mini_samples = mini * n
+    _divides(dp, mini_samples, dp_name, f"{prefix}.ppo_mini_batch_size * rollout.n")
+    per_rank = mini_samples // dp
+    accum = None
+    if not train.use_dynamic_bsz:
+        if per_rank % train.micro_batch_size_per_gpu != 0:
+            raise ConfigError(
+                f"{prefix}: mini-batch samples per rank = ppo_mini_batch_size * rollout.n / dp = "
+                f"{mini} * {n} / {dp} = {per_rank} is not divisible by "
+                f"{prefix}.ppo_micro_batch_size_per_gpu={train.micro_batch_size_per_gpu}"
+            )
+        accum = per_rank // train.micro_batch_size_per_gpu
+    return RoleSizes(
+        dp_size=dp, sp_size=sp, samples_per_rank=samples // dp, infer=infer, mini_batch_samples=mini_samples,
+        mini_batch_samples_per_rank=per_rank, num_mini_batches=samples // mini_samples, grad_accum_steps=accum,
+        train=train,
+    )

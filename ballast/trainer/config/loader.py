@@ -1,0 +1,82 @@
+"""Loading the config: hydra composition, the typed schema, and errors that name the key.
+
+`load_config(overrides)` is what tests and tools use; the hydra entry point hands its DictConfig to
+`to_typed`. Both end in a frozen `BallastConfig`; nothing downstream sees a DictConfig.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterable, Optional
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from ballast.trainer.config.schema import BallastConfig
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+
+
+class ConfigError(ValueError):
+    """A config that cannot run. The message names the key(s) and value(s) involved."""
+
+
+def load_config(overrides: Iterable[str] = (), config_name: str = "ppo_trainer") -> BallastConfig:
+    """Compose `configs/<config_name>.yaml` with hydra-style overrides and return the typed config."""
+    return to_typed(compose(overrides, config_name))
+
+
+def compose(overrides: Iterable[str] = (), config_name: str = "ppo_trainer") -> DictConfig:
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+
+    if GlobalHydra.instance().is_initialized():
+        GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+            return hydra_compose(config_name=config_name, overrides=list(overrides))
+    except (HydraException, OmegaConfBaseException) as err:
+        raise ConfigError(f"invalid override: {err}") from err
+
+
+def _as_path_list(value) -> Optional[list]:
+    if value is None:
+        return None
+    if isinstance(value, (str, os.PathLike)):
+        return [str(value)]
+    if isinstance(value, (list, tuple, ListConfig)):
+        return [str(v) for v in value]
+    raise ConfigError(f"data files must be a path or a list of paths, got {value!r}")
+
+
+def to_typed(cfg: DictConfig) -> BallastConfig:
+    """Check `cfg` against the schema (unknown keys, wrong types, missing values) and freeze it."""
+    try:
+        plain = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except OmegaConfBaseException as err:
+        raise ConfigError(_describe(err)) from err
+    plain.pop("hydra", None)
+    data = plain.get("data", {})
+    if isinstance(data, dict):
+        for key in ("train_files", "val_files"):
+            if key in data:
+                try:
+                    data[key] = _as_path_list(data[key])
+                except ConfigError as err:
+                    raise ConfigError(f"data.{key}: {err}") from None
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(BallastConfig), plain)
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:
+        raise ConfigError(_describe(err)) from err
+
+
+def _describe(err: OmegaConfBaseException) -> str:
+    key = getattr(err, "full_key", None)
+    text = str(err).splitlines()[0]
+    if "Missing mandatory value" in text and key:
+        return f"{key} must be set (it has no default), e.g. {key}=..."
+    return f"{key}: {text}" if key else text

@@ -1,0 +1,195 @@
+"""Start-up validation: names, ranges and cross-key rules that a typed schema cannot express.
+
+Everything here runs on the driver before any Ray actor exists, so an invalid config never reaches
+a worker. Batch divisibility rules live with the sizes they protect, in `derived.py`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable, Optional
+
+from ballast.trainer.config.derived import DerivedSizes, derive_sizes, uses_critic
+from ballast.trainer.config.loader import ConfigError
+from ballast.trainer.config.model_info import ModelInfo
+from ballast.trainer.config.schema import BallastConfig, OptimConfig
+
+DEVICES = ("auto", "cpu", "cuda")
+LOGGERS = ("console", "wandb", "tensorboard", "jsonl")
+ROLLOUT_BACKENDS = ("vllm", "hf")
+TRUNCATIONS = ("error", "left", "right", "filter")
+WARMUP_STYLES = ("constant", "cosine")
+KL_CONTROLLERS = ("fixed", "adaptive")
+STRATEGIES = ("fsdp2", "fsdp")
+WORKLOADS = ("tokens", "verl", "flops")
+RESUME_MODES = ("auto", "disable", "resume_path")
+
+
+def _one_of(key: str, value, allowed: Iterable) -> None:
+    allowed = tuple(allowed)
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not one of {', '.join(map(repr, allowed))}")
+
+
+def _at_least(key: str, value, low, inclusive: bool = True) -> None:
+    if value is None or (value < low if inclusive else value <= low):
+        raise ConfigError(f"{key}={value!r} must be {'>=' if inclusive else '>'} {low}")
+
+
+def _in_unit(key: str, value: float, allow_zero: bool = False) -> None:
+    if not ((0.0 <= value if allow_zero else 0.0 < value) and value <= 1.0):
+        raise ConfigError(f"{key}={value!r} must be in {'[0' if allow_zero else '(0'}, 1]")
+
+
+def check_config(cfg: BallastConfig, model: Optional[ModelInfo] = None) -> DerivedSizes:
+    """Validate `cfg` (and its fit to `model`, when known) and return the derived sizes."""
+    from ballast.trainer.algorithms import registered_names
+
+    names = registered_names()
+    _check_names(cfg, names)
+    _check_ranges(cfg)
+    _check_rules(cfg)
+    return derive_sizes(cfg, model)
+
+
+def _check_names(cfg: BallastConfig, names: dict) -> None:
+    arr, actor, t = cfg.actor_rollout_ref, cfg.actor_rollout_ref.actor, cfg.trainer
+    _one_of("algorithm.adv_estimator", cfg.algorithm.adv_estimator, names["adv_estimator"])
+    _one_of("actor_rollout_ref.actor.policy_loss.loss_mode", actor.policy_loss.loss_mode, names["policy_loss"])
+    _one_of("actor_rollout_ref.actor.loss_agg_mode", actor.loss_agg_mode, names["loss_agg_mode"])
+    _one_of("critic.loss_agg_mode", cfg.critic.loss_agg_mode, names["loss_agg_mode"])
+    _one_of("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type, names["kl_penalty"])
+    _one_of("algorithm.kl_penalty", cfg.algorithm.kl_penalty, names["kl_penalty"])
+    _one_of("algorithm.kl_ctrl.type", cfg.algorithm.kl_ctrl.type, KL_CONTROLLERS)
+    _one_of("actor_rollout_ref.rollout.name", arr.rollout.name, ROLLOUT_BACKENDS)
+    _one_of("actor_rollout_ref.actor.strategy", actor.strategy, STRATEGIES)
+    _one_of("critic.strategy", cfg.critic.strategy, STRATEGIES)
+    _one_of("actor_rollout_ref.actor.optim.warmup_style", actor.optim.warmup_style, WARMUP_STYLES)
+    _one_of("critic.optim.warmup_style", cfg.critic.optim.warmup_style, WARMUP_STYLES)
+    _one_of("data.truncation", cfg.data.truncation, TRUNCATIONS)
+    _one_of("trainer.device", t.device, DEVICES)
+    _one_of("trainer.balance_workload", t.balance_workload, WORKLOADS)
+    for i, name in enumerate(t.logger):
+        _one_of(f"trainer.logger[{i}]", name, LOGGERS)
+    if t.resume_mode not in RESUME_MODES and not os.path.isdir(os.path.expanduser(t.resume_mode)):
+        raise ConfigError(
+            f"trainer.resume_mode={t.resume_mode!r} is not one of {', '.join(map(repr, RESUME_MODES))} "
+            "and not an existing checkpoint directory"
+        )
+    if t.resume_mode == "resume_path" and not t.resume_from_path:
+        raise ConfigError("trainer.resume_mode='resume_path' needs trainer.resume_from_path")
+
+
+def _check_optim(prefix: str, optim: OptimConfig) -> None:
+    _at_least(f"{prefix}.lr", optim.lr, 0.0, inclusive=False)
+    if len(optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in optim.betas):
+        raise ConfigError(f"{prefix}.betas={list(optim.betas)!r} must be two numbers in [0, 1)")
+    _at_least(f"{prefix}.weight_decay", optim.weight_decay, 0.0)
+    _in_unit(f"{prefix}.lr_warmup_steps_ratio", optim.lr_warmup_steps_ratio, allow_zero=True)
+    _in_unit(f"{prefix}.min_lr_ratio", optim.min_lr_ratio, allow_zero=True)
+
+
+def _check_ranges(cfg: BallastConfig) -> None:
+    data, arr, t = cfg.data, cfg.actor_rollout_ref, cfg.trainer
+    actor, rollout = arr.actor, arr.rollout
+    for key, value in (
+        ("data.train_batch_size", data.train_batch_size), ("data.max_prompt_length", data.max_prompt_length),
+        ("data.max_response_length", data.max_response_length), ("actor_rollout_ref.rollout.n", rollout.n),
+        ("actor_rollout_ref.actor.ppo_epochs", actor.ppo_epochs), ("critic.ppo_epochs", cfg.critic.ppo_epochs),
+        ("trainer.nnodes", t.nnodes), ("trainer.n_gpus_per_node", t.n_gpus_per_node),
+        ("trainer.total_epochs", t.total_epochs), ("trainer.monitor_interval", t.monitor_interval),
+        ("actor_rollout_ref.actor.grad_clip_min_batch_size", actor.grad_clip_min_batch_size),
+        ("actor_rollout_ref.rollout.cpu_kv_cache_gib", rollout.cpu_kv_cache_gib),
+        ("actor_rollout_ref.rollout.max_num_seqs", rollout.max_num_seqs),
+        ("trainer.max_consecutive_nonfinite_steps", t.max_consecutive_nonfinite_steps),
+    ):
+        _at_least(key, value, 1)
+    if t.total_training_steps is not None:
+        _at_least("trainer.total_training_steps", t.total_training_steps, 1)
+    if data.val_batch_size is not None:
+        _at_least("data.val_batch_size", data.val_batch_size, 1)
+    _at_least("data.dataloader_num_workers", data.dataloader_num_workers, 0)
+    _at_least("data.prefetch_factor", data.prefetch_factor, 1)
+    _at_least("actor_rollout_ref.actor.grad_clip", actor.grad_clip, 0.0, inclusive=False)
+    _at_least("critic.grad_clip", cfg.critic.grad_clip, 0.0, inclusive=False)
+    _at_least("trainer.worker_timeout_s", t.worker_timeout_s, 0.0, inclusive=False)
+    _at_least("ray_init.timeout_s", cfg.ray_init.timeout_s, 0.0, inclusive=False)
+    for key, value in (
+        ("actor_rollout_ref.actor.clip_ratio", actor.clip_ratio),
+        ("actor_rollout_ref.actor.clip_ratio_low", actor.clip_ratio_low),
+        ("actor_rollout_ref.actor.clip_ratio_high", actor.clip_ratio_high),
+        ("critic.cliprange_value", cfg.critic.cliprange_value),
+    ):
+        if value is not None:
+            _at_least(key, value, 0.0, inclusive=False)
+    _at_least("actor_rollout_ref.actor.clip_ratio_c", actor.clip_ratio_c, 1.0, inclusive=False)
+    _at_least("actor_rollout_ref.actor.entropy_coeff", actor.entropy_coeff, 0.0)
+    _at_least("actor_rollout_ref.actor.kl_loss_coef", actor.kl_loss_coef, 0.0)
+    _in_unit("algorithm.gamma", cfg.algorithm.gamma, allow_zero=True)
+    _in_unit("algorithm.lam", cfg.algorithm.lam, allow_zero=True)
+    _check_optim("actor_rollout_ref.actor.optim", actor.optim)
+    _check_optim("critic.optim", cfg.critic.optim)
+    _in_unit("actor_rollout_ref.rollout.top_p", rollout.top_p)
+    _in_unit("actor_rollout_ref.rollout.gpu_memory_utilization", rollout.gpu_memory_utilization)
+    if rollout.top_k != -1 and rollout.top_k < 1:
+        raise ConfigError(f"actor_rollout_ref.rollout.top_k={rollout.top_k} must be -1 (off) or >= 1")
+    if rollout.do_sample and rollout.temperature <= 0:
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.temperature={rollout.temperature} must be > 0 when do_sample=True "
+            "(use do_sample=False for greedy decoding)"
+        )
+    if rollout.val_kwargs.n != 1:
+        raise ConfigError(f"actor_rollout_ref.rollout.val_kwargs.n={rollout.val_kwargs.n}: only 1 is supported")
+
+
+def _check_rules(cfg: BallastConfig) -> None:
+    data, arr = cfg.data, cfg.actor_rollout_ref
+    actor, rollout = arr.actor, arr.rollout
+    seq = data.max_prompt_length + data.max_response_length
+    if rollout.prompt_length < data.max_prompt_length or rollout.response_length < data.max_response_length:
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.prompt_length={rollout.prompt_length} / response_length="
+            f"{rollout.response_length} must cover data.max_prompt_length={data.max_prompt_length} / "
+            f"data.max_response_length={data.max_response_length}"
+        )
+    if rollout.max_model_len is not None and rollout.max_model_len < seq:
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.max_model_len={rollout.max_model_len} is smaller than "
+            f"data.max_prompt_length + data.max_response_length = {seq}"
+        )
+    if rollout.max_num_batched_tokens < seq and not rollout.enable_chunked_prefill:
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.max_num_batched_tokens={rollout.max_num_batched_tokens} is smaller than one "
+            f"sample ({seq} tokens) and enable_chunked_prefill=False: vLLM could not schedule a full prompt"
+        )
+    bounds = list(actor.bucket_boundaries)
+    if actor.dynamic_bsz_bucketing:
+        if not actor.use_dynamic_bsz:
+            raise ConfigError("actor_rollout_ref.actor.dynamic_bsz_bucketing=True needs use_dynamic_bsz=True")
+        if not bounds or any(b <= 0 for b in bounds) or any(b >= c for b, c in zip(bounds, bounds[1:])):
+            raise ConfigError(
+                f"actor_rollout_ref.actor.bucket_boundaries={bounds} must be positive and strictly increasing"
+            )
+    if actor.ulysses_sequence_parallel_size > 1 and not arr.model.use_remove_padding:
+        raise ConfigError(
+            "actor_rollout_ref.actor.ulysses_sequence_parallel_size="
+            f"{actor.ulysses_sequence_parallel_size} needs actor_rollout_ref.model.use_remove_padding=True "
+            "(Ulysses shards the packed sequence)"
+        )
+    if cfg.critic.ulysses_sequence_parallel_size > 1 and not cfg.critic.model.use_remove_padding:
+        raise ConfigError("critic.ulysses_sequence_parallel_size > 1 needs critic.model.use_remove_padding=True")
+    if cfg.algorithm.adv_estimator == "gae" and cfg.critic.enable is False:
+        raise ConfigError("algorithm.adv_estimator=gae needs a critic, but critic.enable=False")
+    if cfg.critic.enable and cfg.algorithm.adv_estimator != "gae":
+        raise ConfigError(
+            f"critic.enable=True but algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} does not use values"
+        )
+    if cfg.algorithm.adv_estimator in ("grpo", "rloo") and rollout.n < 2:
+        raise ConfigError(
+            f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares the samples of one prompt: "
+            f"actor_rollout_ref.rollout.n={rollout.n} must be >= 2"
+        )
+    if cfg.trainer.critic_warmup > 0 and not uses_critic(cfg):
+        raise ConfigError(f"trainer.critic_warmup={cfg.trainer.critic_warmup} needs a critic (algorithm.adv_estimator=gae)")
+    if data.dataloader_num_workers == 0 and data.persistent_workers:
+        raise ConfigError("data.persistent_workers=True needs data.dataloader_num_workers >= 1")
