@@ -1,0 +1,11 @@
+"""The data protocol between the driver and the workers: `Batch` and its canonical fields.
+
+Imports only torch, tensordict and numpy (never ray), so workers, tests and the engine-side code
+can use it anywhere.
+"""
+
+from ballast.protocol._checks import METRICS_KEY
+from ballast.protocol.batch import PAD_COUNT_KEY, Batch
+from ballast.protocol.fields import FIELDS, FieldSpec, check_fields
+
+__all__ = ["Batch", "FIELDS", "FieldSpec", "METRICS_KEY", "PAD_COUNT_KEY", "check_fields"]
