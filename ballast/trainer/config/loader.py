@@ -6,7 +6,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
+import typing
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -68,10 +71,31 @@ def to_typed(cfg: DictConfig) -> BallastConfig:
                 except ConfigError as err:
                     raise ConfigError(f"data.{key}: {err}") from None
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(BallastConfig), plain)
-        return OmegaConf.to_object(merged)
+        typed = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(_mutable_twin(BallastConfig)), plain))
     except OmegaConfBaseException as err:
         raise ConfigError(_describe(err)) from err
+    return _freeze(typed, BallastConfig)
+
+
+@functools.lru_cache(maxsize=None)
+def _mutable_twin(cls: type) -> type:
+    """A non-frozen copy of a schema dataclass (recursively): OmegaConf marks frozen dataclasses
+    read-only, which would make it refuse to fill the schema with the yaml's values."""
+    hints = typing.get_type_hints(cls)
+    fields = []
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        fields.append((f.name, _mutable_twin(tp) if dataclasses.is_dataclass(tp) else tp))
+    return dataclasses.make_dataclass(cls.__name__, fields)
+
+
+def _freeze(value, cls: type):
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        item = getattr(value, f.name)
+        kwargs[f.name] = _freeze(item, hints[f.name]) if dataclasses.is_dataclass(hints[f.name]) else item
+    return cls(**kwargs)
 
 
 def _describe(err: OmegaConfBaseException) -> str:
