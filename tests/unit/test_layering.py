@@ -1,0 +1,49 @@
+"""The import rules of DESIGN.md, checked on the source: lower layers never import upper ones or Ray."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[2] / "ballast"
+
+# package -> (ballast packages it may import, third-party roots it must not import)
+RULES = {
+    "protocol": ({"protocol"}, {"ray"}),
+    "balance": ({"balance"}, {"ray", "transformers"}),
+    "models": ({"models"}, {"ray"}),
+    "data": ({"data", "models"}, {"ray"}),
+    "engine": ({"engine", "balance", "models"}, {"ray"}),
+    "single_controller": ({"single_controller", "protocol"}, set()),
+    "workers": ({"workers", "engine", "protocol", "single_controller", "models", "balance", "data"}, set()),
+}
+
+
+def _imports(path: Path):
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module
+
+
+@pytest.mark.parametrize("package", sorted(RULES))
+def test_package_respects_the_layering(package):
+    allowed, forbidden_roots = RULES[package]
+    violations = []
+    for path in sorted((PKG / package).rglob("*.py")):
+        for name in _imports(path):
+            parts = name.split(".")
+            if parts[0] == "ballast" and len(parts) > 1 and parts[1] not in allowed:
+                violations.append(f"{path.relative_to(PKG.parent)} imports {name}")
+            if parts[0] in forbidden_roots:
+                violations.append(f"{path.relative_to(PKG.parent)} imports {name}")
+    assert not violations, "\n".join(violations)
+
+
+def test_every_module_opens_with_a_docstring():
+    missing = [str(p.relative_to(PKG.parent)) for p in sorted(PKG.rglob("*.py"))
+               if p.read_text().strip() and ast.get_docstring(ast.parse(p.read_text())) is None]
+    assert not missing, "modules without a docstring:\n" + "\n".join(missing)
