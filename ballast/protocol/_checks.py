@@ -25,11 +25,15 @@ def short_repr(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def dtype_name(dtype: torch.dtype | np.dtype) -> str:
+    """'int64', 'bfloat16', 'object': torch and numpy dtypes named alike in messages."""
+    return str(dtype).removeprefix("torch.")
+
+
 def describe_value(value: Any) -> str:
     """'tensor int64[4, 3]' / 'array object[4]': enough to tell two same-named fields apart."""
-    if isinstance(value, torch.Tensor):
-        return f"tensor {str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
-    return f"array {value.dtype}{list(value.shape)}"
+    kind = "tensor" if isinstance(value, torch.Tensor) else "array"
+    return f"{kind} {dtype_name(value.dtype)}{list(value.shape)}"
 
 
 def as_non_tensor_array(key: str, value: Any) -> np.ndarray:
@@ -92,7 +96,7 @@ def normalize_index(index: Any, num_samples: int) -> slice | np.ndarray:
         return slice(position, position + 1)
     if isinstance(index, slice):
         if index.step is not None and index.step < 0:
-            return np.arange(num_samples)[index]
+            return np.ascontiguousarray(np.arange(num_samples)[index])
         return index
     if isinstance(index, torch.Tensor):
         index = index.detach().cpu().numpy()
@@ -301,6 +305,6 @@ def check_same_layout(batches: list) -> None:
             same_dtype = a.dtype.kind == b.dtype.kind if isinstance(a, np.ndarray) else a.dtype == b.dtype
             if not same_dtype or a.shape[1:] != b.shape[1:]:
                 raise ValueError(
-                    f"concat: key {key!r} is {a.dtype}{list(a.shape[1:])} per sample in batch 0 "
-                    f"but {b.dtype}{list(b.shape[1:])} in batch {position}"
+                    f"concat: key {key!r} is {dtype_name(a.dtype)}{list(a.shape[1:])} per sample in "
+                    f"batch 0 but {dtype_name(b.dtype)}{list(b.shape[1:])} in batch {position}"
                 )

@@ -377,7 +377,7 @@ class Batch:
 
     def __repr__(self) -> str:
         tensor_text = ", ".join(
-            f"{key}: {str(value.dtype).removeprefix('torch.')}{list(value.shape)} {value.device}"
+            f"{key}: {_checks.dtype_name(value.dtype)}{list(value.shape)} {value.device}"
             for key, value in self._tensors.items()
         )
         array_text = ", ".join(f"{key}: {value.dtype}{list(value.shape)}" for key, value in self._non_tensors.items())

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ballast.protocol._checks import dtype_name
+
 SAMPLE_DIM = "B"
 
 
@@ -52,9 +54,8 @@ class FieldSpec:
         return isinstance(self.dtype, torch.dtype)
 
     def describe(self) -> str:
-        dtype = str(self.dtype).removeprefix("torch.")
         kind = "tensor" if self.is_tensor else "non-tensor"
-        return f"({', '.join(self.shape)}) {dtype} {kind}: {self.meaning}"
+        return f"({', '.join(self.shape)}) {dtype_name(self.dtype)} {kind}: {self.meaning}"
 
 
 _I64, _F32, _OBJ = torch.int64, torch.float32, np.dtype(object)
@@ -118,32 +119,31 @@ def _check_kind_and_dtype(spec: FieldSpec, value) -> None:
         wanted = "a tensor" if spec.is_tensor else "a non-tensor numpy array"
         raise ValueError(f"field {spec.name!r} must be {wanted}, got {type(value).__name__}")
     if value.dtype != spec.dtype:
-        raise ValueError(f"field {spec.name!r} has dtype {value.dtype}, expected {spec.dtype}")
+        raise ValueError(
+            f"field {spec.name!r} has dtype {dtype_name(value.dtype)}, expected {dtype_name(spec.dtype)}"
+        )
 
 
 def _bind(bound: dict, key: str, spec: FieldSpec, dim: str, size: int, shape: tuple) -> None:
-    """Bind symbol `dim` to `size`, or check it against its earlier binding."""
-    def mismatch(expected: int, source: str) -> ValueError:
+    """Bind symbol `dim` to `size`, or check it against what earlier fields bound."""
+
+    def mismatch(expected: str) -> ValueError:
         return ValueError(
-            f"field {key!r} has shape {shape}: dim {dim} = {size}, expected {expected} "
-            f"(from {source}); spec ({', '.join(spec.shape)})"
+            f"field {key!r} has shape {shape}: dim {dim} = {size}, expected {expected}; "
+            f"spec ({', '.join(spec.shape)})"
         )
 
-    if "+" not in dim:
-        if dim in bound and bound[dim][0] != size:
-            raise mismatch(*bound[dim])
-        bound.setdefault(dim, (size, repr(key)))
-        return
-    left, right = dim.split("+")
-    if left in bound and right in bound:
-        expected = bound[left][0] + bound[right][0]
-        if size != expected:
-            raise mismatch(expected, f"{left} from {bound[left][1]} + {right} from {bound[right][1]}")
-    elif left in bound or right in bound:
-        known, unknown = (left, right) if left in bound else (right, left)
-        if size < bound[known][0]:
-            raise mismatch(bound[known][0], f"at least {known} from {bound[known][1]}")
-        bound[unknown] = (size - bound[known][0], f"{key!r} minus {known}")
+    if "+" in dim:
+        left, right = dim.split("+")
+        if left in bound and right in bound:
+            total = bound[left][0] + bound[right][0]
+            if size != total:
+                raise mismatch(f"{total} ({left} from {bound[left][1]} + {right} from {bound[right][1]})")
+        elif left in bound or right in bound:
+            known, unknown = (left, right) if left in bound else (right, left)
+            if size < bound[known][0]:
+                raise mismatch(f"at least {bound[known][0]} ({known} from {bound[known][1]})")
+            bound[unknown] = (size - bound[known][0], f"{key!r} minus {known}")
     if dim in bound and bound[dim][0] != size:
-        raise mismatch(*bound[dim])
+        raise mismatch(f"{bound[dim][0]} (from {bound[dim][1]})")
     bound.setdefault(dim, (size, repr(key)))
