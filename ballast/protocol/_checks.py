@@ -250,7 +250,9 @@ def merge_metrics(metrics_dicts: list[Mapping]) -> dict[str, list]:
     return merged
 
 
-def tensor_items(tensors: TensorDict | Mapping[str, torch.Tensor] | None) -> tuple[dict[str, torch.Tensor], int | None]:
+def tensor_items(
+    tensors: TensorDict | Mapping[str, torch.Tensor] | None,
+) -> tuple[dict[str, torch.Tensor], int | None]:
     """Validated flat `{key: tensor}` and, for a TensorDict input with a batch size, its first dim."""
     if tensors is None:
         return {}, None
@@ -266,7 +268,9 @@ def tensor_items(tensors: TensorDict | Mapping[str, torch.Tensor] | None) -> tup
     for key, value in items.items():
         check_key(key)
         if isinstance(value, TensorDict):
-            raise ValueError(f"nested TensorDict under {key!r} is not supported; flatten it (td.flatten_keys())")
+            raise ValueError(
+                f"nested TensorDict under {key!r} is not supported; flatten it (td.flatten_keys())"
+            )
         check_tensor(key, value)
     return items, declared_size
 

@@ -259,7 +259,8 @@ class Batch:
             key: np.concatenate([batch.non_tensors[key] for batch in batches], axis=0)
             for key in first.non_tensor_keys
         }
-        return Batch._build(tensors, non_tensors, _checks.merge_meta([b.meta for b in batches], "batch", same_keys=True))
+        meta = _checks.merge_meta([batch.meta for batch in batches], "batch", same_keys=True)
+        return Batch._build(tensors, non_tensors, meta)
 
     # ------------------------------------------------------------- reordering
     def reordered(self, indices: Any) -> Batch:
@@ -279,7 +280,9 @@ class Batch:
             non_tensors = {k: np.repeat(v, repeat_times, axis=0) for k, v in self._non_tensors.items()}
         else:
             tensors = self._tensors.repeat(repeat_times)
-            non_tensors = {k: np.concatenate([v] * repeat_times, axis=0) for k, v in self._non_tensors.items()}
+            non_tensors = {
+                k: np.concatenate([v] * repeat_times, axis=0) for k, v in self._non_tensors.items()
+            }
         return Batch._build(tensors, non_tensors, dict(self.meta))
 
     # ---------------------------------------------------------------- padding
@@ -380,7 +383,9 @@ class Batch:
             f"{key}: {_checks.dtype_name(value.dtype)}{list(value.shape)} {value.device}"
             for key, value in self._tensors.items()
         )
-        array_text = ", ".join(f"{key}: {value.dtype}{list(value.shape)}" for key, value in self._non_tensors.items())
+        array_text = ", ".join(
+            f"{key}: {value.dtype}{list(value.shape)}" for key, value in self._non_tensors.items()
+        )
         return (
             f"Batch(num_samples={len(self)},\n  tensors={{{tensor_text}}},\n"
             f"  non_tensors={{{array_text}}},\n  meta_keys={list(self.meta)})"
@@ -400,6 +405,8 @@ class Batch:
 def _restore_batch(state: dict) -> Batch:
     """Unpickling entry point (module level so pickle can find it by name)."""
     if state.get("version") != STATE_VERSION:
-        raise ValueError(f"cannot restore Batch state version {state.get('version')!r}; expected {STATE_VERSION}")
+        raise ValueError(
+            f"cannot restore Batch state version {state.get('version')!r}; expected {STATE_VERSION}"
+        )
     tensors = TensorDict(tensors_from_state(state["tensors"]), batch_size=[state["num_samples"]])
     return Batch._build(tensors, dict(state["non_tensors"]), state["meta"])

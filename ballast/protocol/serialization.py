@@ -49,7 +49,11 @@ def tensor_from_bytes_array(data: np.ndarray, dtype_name: str, shape: tuple[int,
     return torch.from_numpy(data).view(dtype).reshape(shape)
 
 
-def tensors_to_state(tensors: dict[str, torch.Tensor]) -> list[tuple[str, str, tuple[int, ...], np.ndarray]]:
+TensorState = tuple[str, str, tuple[int, ...], np.ndarray]
+"""(key, dtype name, shape, flat uint8 array) for one tensor."""
+
+
+def tensors_to_state(tensors: dict[str, torch.Tensor]) -> list[TensorState]:
     """(key, dtype name, shape, bytes array) per tensor, in key order."""
     return [
         (key, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), tensor_to_bytes_array(tensor))
@@ -57,5 +61,5 @@ def tensors_to_state(tensors: dict[str, torch.Tensor]) -> list[tuple[str, str, t
     ]
 
 
-def tensors_from_state(entries: list[tuple[str, str, tuple[int, ...], np.ndarray]]) -> dict[str, torch.Tensor]:
+def tensors_from_state(entries: list[TensorState]) -> dict[str, torch.Tensor]:
     return {key: tensor_from_bytes_array(data, dtype_name, shape) for key, dtype_name, shape, data in entries}

@@ -179,3 +179,23 @@ def test_unpad_errors_name_counts():
     assert rows(batch.unpad(1)) == [0, 1, 2]
     with pytest.raises(ValueError, match="divisor must be a positive integer, got 0"):
         batch.pad_to_divisor(0)
+
+
+# ------------------------------------------------------------------ batches without tensors or samples
+def test_non_tensor_only_batch_supports_every_operation():
+    batch = Batch(non_tensors={"uid": ["a", "b", "c"]}, meta={"step": 1})
+    assert list(batch.repeat(2)["uid"]) == ["a", "a", "b", "b", "c", "c"]
+    assert list(batch.repeat(2, interleave=False)["uid"]) == ["a", "b", "c", "a", "b", "c"]
+    chunks = batch.chunk(2, pad=True)
+    assert [list(chunk["uid"]) for chunk in chunks] == [["a", "b"], ["c", "a"]]
+    assert Batch.concat(chunks).unpad().equals(batch)
+    assert list(batch.reordered([2, 0, 1])["uid"]) == ["c", "a", "b"]
+    assert len(batch.tensors.batch_size) == 1 and len(batch[1:]) == 2
+
+
+def test_empty_batch_operations():
+    empty = make_batch(0)
+    assert [len(chunk) for chunk in empty.chunk(3)] == [0, 0, 0]
+    padded, pad_count = empty.pad_to_divisor(4)
+    assert pad_count == 0 and len(padded) == 0
+    assert len(empty.repeat(3)) == 0 and len(Batch.concat([empty, make_batch(2)])) == 2
