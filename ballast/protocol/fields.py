@@ -12,7 +12,7 @@ field fails there with its name rather than as a broadcast error deep in a loss 
 | responses | (B, R) | int64 | generated token ids, right-padded with the pad token |
 | input_ids | (B, P+R) | int64 | prompts followed by responses |
 | attention_mask | (B, P+R) | int64 | 1 on real prompt and response tokens, 0 on padding |
-| position_ids | (B, P+R) | int64 | 0-based position of each real token (padding repeats a valid value) |
+| position_ids | (B, P+R) | int64 | 0-based position of each real token |
 | response_mask | (B, R) | int64 | 1 on response tokens that count in losses (through EOS), 0 after |
 | old_log_probs | (B, R) | float32 | log-prob of each response token under the actor before the update |
 | ref_log_prob | (B, R) | float32 | log-prob of each response token under the reference policy |
@@ -31,11 +31,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from ballast.protocol._checks import dtype_name
+
+if TYPE_CHECKING:  # only for the annotation; check_fields needs nothing but `in`, `[]` and `len`
+    from ballast.protocol.batch import Batch
 
 SAMPLE_DIM = "B"
 
@@ -85,7 +89,7 @@ FIELDS: dict[str, FieldSpec] = {
 }
 
 
-def check_fields(batch, keys: str | Iterable[str]) -> dict[str, int]:
+def check_fields(batch: Batch, keys: str | Iterable[str]) -> dict[str, int]:
     """Check that `batch` holds canonical fields `keys` with the right kind, dtype and shapes.
 
     Shapes are checked jointly: every "B" equals len(batch), every "R" the same response length,
