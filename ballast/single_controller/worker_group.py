@@ -1,0 +1,210 @@
+"""`RayWorkerGroup`: N Ray actors of one worker class on a resource pool, driven as one object.
+
+Every method of the worker class marked with `@register` becomes a method of the group that splits
+its arguments, calls all workers, waits (with a timeout, noticing dead workers at once) and collects
+the results. Non-blocking methods return a `BatchFuture`; passing it to another group whose split
+has the same number of chunks hands each worker its chunk's object reference directly, so the data
+never returns to the driver in between.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import re
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from ballast.protocol import Batch
+from ballast.single_controller.decorator import Dispatch, Execute, Registration, registration_of
+from ballast.single_controller.dispatch import concat_results, mesh_layout, split_args
+from ballast.single_controller.errors import WorkerDiedError, WorkerError, WorkerTimeoutError
+from ballast.single_controller.resource_pool import ResourcePool
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class BatchFuture:
+    """The pending result of a non-blocking Batch-splitting call.
+
+    `chunk_refs` are the per-dp-rank results in order (None for non-collect workers is never kept);
+    `all_refs` include every worker's call so that `get()` also surfaces failures of non-collect ranks.
+    """
+
+    def __init__(self, group: "RayWorkerGroup", method: str, chunk_refs: List, all_refs: List, ranks: List[int],
+                 pad_count: int) -> None:
+        self._group, self._method = group, method
+        self.chunk_refs, self._all_refs, self._ranks, self.pad_count = chunk_refs, all_refs, ranks, pad_count
+
+    def check_non_collect(self) -> None:
+        """Wait for the ranks whose results are dropped (they return None: nothing is fetched)."""
+        side = [(r, rank) for r, rank in zip(self._all_refs, self._ranks) if r not in self.chunk_refs]
+        if side:
+            self._group._wait([r for r, _ in side], [rank for _, rank in side], self._method)
+
+    def get(self) -> Any:
+        values = self._group._wait(self._all_refs, self._ranks, self._method)
+        by_ref = dict(zip(self._all_refs, values))
+        return concat_results([by_ref[r] for r in self.chunk_refs], self.pad_count, f"{self._group.name}.{self._method}")
+
+
+class RayWorkerGroup:
+    def __init__(self, pool: ResourcePool, worker_cls: type, *, init_args: Sequence = (),
+                 init_kwargs: Optional[Dict[str, Any]] = None, name: str = "workers", device_share: float = 1.0,
+                 env: Optional[Dict[str, str]] = None, num_threads: Optional[int] = None,
+                 timeout_s: Optional[float] = None) -> None:
+        if not 0 < device_share <= 1:
+            raise ValueError(f"device_share={device_share} must be in (0, 1]")
+        self.name, self.pool, self.worker_cls = name, pool, worker_cls
+        self.timeout_s = timeout_s
+        self._mesh_cache: Dict[str, tuple] = {}
+        slots = pool.slots()
+        self.world_size = len(slots)
+        threads = num_threads or max(1, int(pool.cpus_per_process * device_share))
+        remote_cls = ray.remote(worker_cls)
+        self.workers = []
+        for slot in slots:
+            env_vars = {
+                "RANK": str(slot.rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(slot.local_rank),
+                "LOCAL_WORLD_SIZE": str(len(slot.placement_group.bundle_specs)), "BALLAST_NUM_THREADS": str(threads),
+                "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), **(env or {}),
+            }
+            options = dict(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(slot.placement_group, slot.bundle_index),
+                num_cpus=pool.cpus_per_process * device_share, runtime_env={"env_vars": env_vars},
+                name=f"{pool.name}_{name}_{slot.rank}_{os.getpid()}_{id(self)}",
+            )
+            if pool.use_gpu:
+                options["num_gpus"] = device_share
+            self.workers.append(remote_cls.options(**options).remote(*init_args, **(init_kwargs or {})))
+        info = self._wait([self.workers[0]._ballast_node_info.remote()], [0], "_ballast_node_info")[0]
+        self.master_addr, self.master_port = info["ip"], info["port"]
+        self._wait([w._ballast_set_master.remote(self.master_addr, self.master_port) for w in self.workers],
+                   list(range(self.world_size)), "_ballast_set_master")
+        self._bind_registered_methods()
+
+    # ------------------------------------------------------------------ method binding
+    def _bind_registered_methods(self) -> None:
+        for method, fn in inspect.getmembers(self.worker_cls, predicate=inspect.isfunction):
+            reg = registration_of(fn)
+            if reg is None:
+                continue
+            if hasattr(self, method):
+                raise ValueError(f"{self.worker_cls.__name__}.{method} clashes with a RayWorkerGroup attribute")
+            setattr(self, method, functools.partial(self._call, method, reg))
+
+    def _call(self, method: str, reg: Registration, *args, **kwargs):
+        what = f"{self.name}.{method}"
+        ranks = list(range(self.world_size))
+        if reg.dispatch is Dispatch.ONE_TO_ALL:
+            if reg.execute is Execute.RANK_ZERO:
+                ranks = [0]
+            refs = [self.workers[r]._ballast_call.remote(method, True, *args, **kwargs) for r in ranks]
+            return self._finish(refs, ranks, method, reg, lambda values: values[0] if reg.execute is Execute.RANK_ZERO else values)
+        if reg.dispatch is Dispatch.ALL_TO_ALL:
+            for value in list(args) + list(kwargs.values()):
+                if not isinstance(value, (list, tuple)) or len(value) != self.world_size:
+                    raise ValueError(f"{what}: ALL_TO_ALL arguments must be lists of {self.world_size} (one per worker)")
+            refs = [self.workers[r]._ballast_call.remote(method, True, *[a[r] for a in args],
+                                                         **{k: v[r] for k, v in kwargs.items()}) for r in ranks]
+            return self._finish(refs, ranks, method, reg, list)
+        if reg.dispatch is Dispatch.DP_COMPUTE_PROTO:
+            dp_of, collect = ranks, ranks
+            num_chunks = self.world_size
+        else:
+            num_chunks, dp_of, collect = self.mesh(reg.mesh)
+        per_args, per_kwargs, pad_count = self._split(args, kwargs, num_chunks, reg.pad, what)
+        refs = [self.workers[r]._ballast_call.remote(method, r in collect, *per_args[dp_of[r]], **per_kwargs[dp_of[r]])
+                for r in ranks]
+        chunk_refs = [refs[w] for w in collect]
+        future = BatchFuture(self, method, chunk_refs, refs, ranks, pad_count)
+        return future.get() if reg.blocking else future
+
+    def _split(self, args, kwargs, num_chunks: int, pad: bool, what: str):
+        """Split Batch arguments; a BatchFuture with matching chunks is passed through by reference."""
+        values = list(args) + list(kwargs.values())
+        futures = [v for v in values if isinstance(v, BatchFuture)]
+        passthrough = futures and not any(isinstance(v, Batch) for v in values) and all(
+            len(f.chunk_refs) == num_chunks and f.pad_count == 0 for f in futures)
+        if passthrough:
+            # Ray resolves a top-level ObjectRef argument inside the worker: the chunk goes from the
+            # producing worker to the consuming one without visiting the driver. A failed producer
+            # surfaces as this call's error; the producer's non-collect ranks are checked here.
+            for future in futures:
+                future.check_non_collect()
+
+            def pick(value, i):
+                return value.chunk_refs[i] if isinstance(value, BatchFuture) else value
+
+            return ([[pick(a, i) for a in args] for i in range(num_chunks)],
+                    [{k: pick(v, i) for k, v in kwargs.items()} for i in range(num_chunks)], 0)
+        args = [v.get() if isinstance(v, BatchFuture) else v for v in args]
+        kwargs = {k: (v.get() if isinstance(v, BatchFuture) else v) for k, v in kwargs.items()}
+        per_args, per_kwargs, pad_count = split_args(args, kwargs, num_chunks, pad, what)
+        # One object-store copy per chunk, shared by every worker of that dp rank (SP/TP peers).
+        per_args = [[ray.put(a) if isinstance(a, Batch) else a for a in chunk] for chunk in per_args]
+        per_kwargs = [{k: ray.put(v) if isinstance(v, Batch) else v for k, v in chunk.items()} for chunk in per_kwargs]
+        return per_args, per_kwargs, pad_count
+
+    def _finish(self, refs, ranks, method, reg: Registration, collect):
+        if not reg.blocking:
+            return refs
+        return collect(self._wait(refs, ranks, method))
+
+    def mesh(self, role: str):
+        """(dp_size, dp rank of each worker, collect worker of each dp rank) for `role`, cached."""
+        if role not in self._mesh_cache:
+            infos = self._wait([w._ballast_mesh_info.remote(role) for w in self.workers],
+                               list(range(self.world_size)), f"mesh info for {role!r}")
+            self._mesh_cache[role] = mesh_layout(infos, role)
+        return self._mesh_cache[role]
+
+    # ------------------------------------------------------------------ waiting and errors
+    def _wait(self, refs: List, ranks: List[int], method: str) -> List[Any]:
+        """Results of `refs` in order; the first failure, death or timeout raises at once, naming the rank."""
+        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        index_of = {ref: i for i, ref in enumerate(refs)}
+        results: List[Any] = [None] * len(refs)
+        pending = list(refs)
+        while pending:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
+            if not ready:
+                late = sorted(ranks[index_of[r]] for r in pending)
+                raise WorkerTimeoutError(
+                    f"{self.name}.{method}: worker rank(s) {late} did not finish within {self.timeout_s:.0f}s "
+                    "(raise trainer.worker_timeout_s if the step is legitimately slow)"
+                )
+            ref = ready[0]
+            rank = ranks[index_of[ref]]
+            try:
+                results[index_of[ref]] = ray.get(ref)
+            except RayActorError as err:
+                raise WorkerDiedError(
+                    f"{self.name}.{method}: worker rank {rank} died ({type(err).__name__}): {err}"
+                ) from None
+            except RayTaskError as err:
+                detail = _ANSI.sub("", str(err))
+                raise WorkerError(f"{self.name}.{method} failed on worker rank {rank}:\n{detail}") from None
+            except GetTimeoutError:  # pragma: no cover - ray.wait said it was ready
+                raise WorkerTimeoutError(f"{self.name}.{method}: worker rank {rank} timed out") from None
+        return results
+
+    def execute_all(self, method: str, *args, **kwargs) -> List[Any]:
+        """Call an unregistered worker method on every worker with the same arguments."""
+        refs = [w._ballast_call.remote(method, True, *args, **kwargs) for w in self.workers]
+        return self._wait(refs, list(range(self.world_size)), method)
+
+    def kill(self) -> None:
+        for worker in self.workers:
+            try:
+                ray.kill(worker, no_restart=True)
+            except Exception:  # already dead: nothing to stop
+                pass
+        self.workers = []
