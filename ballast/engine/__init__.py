@@ -1,0 +1,19 @@
+"""Training engine: one HF model on a (dp, sp) mesh with FSDP2, driven by TensorDict mini-batches.
+
+No Ray and no `ballast.protocol` here: the engine runs under plain `torchrun` (gloo on CPU, NCCL on
+GPU). See docs/engine.md for the data flow, the loss formulas and the gradient-invariance argument.
+"""
+
+from ballast.engine.config import EngineConfig, MicroBatchSpec, OptimConfig
+from ballast.engine.engine import TrainEngine
+from ballast.engine.losses import LOSS_AGG_MODES, GlobalNorm, agg_loss
+
+__all__ = [
+    "LOSS_AGG_MODES",
+    "EngineConfig",
+    "GlobalNorm",
+    "MicroBatchSpec",
+    "OptimConfig",
+    "TrainEngine",
+    "agg_loss",
+]

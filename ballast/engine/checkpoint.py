@@ -1,0 +1,118 @@
+"""Sharded checkpoints (torch.distributed.checkpoint) and full Hugging Face export.
+
+Layout of a checkpoint directory:
+
+* `dcp/`: model and optimizer state, sharded as they live on the mesh (every rank writes its shards;
+  loading onto the same mesh shape restores them exactly);
+* `engine_state.pt`: LR-scheduler state and step counters (small, identical on all ranks; written by
+  rank 0, read with `weights_only=True`).
+
+`export_hf` gathers the full weights onto rank 0 (in host memory) and writes a directory that
+`AutoModelForCausalLM.from_pretrained` (or the token-classification class) loads, with the tokenizer
+files copied from the source model directory.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule
+
+ENGINE_STATE_FILE = "engine_state.pt"
+DCP_DIR = "dcp"
+# Files of a HF model directory that are NOT weights or the model config: tokenizer, chat template,
+# generation config and the like travel with the exported model.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5")
+_NOT_COPIED = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json"}
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def save_checkpoint(path: str, model, optimizer, scheduler, counters: dict[str, int]) -> None:
+    """Save model, optimizer, scheduler and counters under `path`. Collective."""
+    if _rank() == 0:
+        os.makedirs(path, exist_ok=True)
+    _barrier()
+    state = _state(model, optimizer)
+    dcp.save(state, checkpoint_id=os.path.join(path, DCP_DIR))
+    if _rank() == 0:
+        extra = {"scheduler": scheduler.state_dict() if scheduler is not None else None, "counters": dict(counters)}
+        torch.save(extra, os.path.join(path, ENGINE_STATE_FILE))
+    _barrier()
+
+
+def load_checkpoint(path: str, model, optimizer, scheduler) -> dict[str, int]:
+    """Restore what `save_checkpoint` wrote (same mesh shape); returns the counters. Collective."""
+    dcp_dir = os.path.join(path, DCP_DIR)
+    extra_file = os.path.join(path, ENGINE_STATE_FILE)
+    if not os.path.isdir(dcp_dir) or not os.path.isfile(extra_file):
+        raise ValueError(f"{path!r} is not an engine checkpoint (expected {DCP_DIR}/ and {ENGINE_STATE_FILE})")
+    state = _state(model, optimizer)
+    dcp.load(state, checkpoint_id=dcp_dir)
+    set_state_dict(
+        model,
+        optimizer if optimizer is not None else [],
+        model_state_dict=state["model"],
+        optim_state_dict=state.get("optim", {}),
+    )
+    extra = torch.load(extra_file, weights_only=True)
+    if scheduler is not None:
+        if extra["scheduler"] is None:
+            raise ValueError(f"checkpoint {path!r} has no scheduler state but this engine has a scheduler")
+        scheduler.load_state_dict(extra["scheduler"])
+    return dict(extra["counters"])
+
+
+def _state(model, optimizer) -> dict:
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def unwrapped_class(model: torch.nn.Module) -> type:
+    """The model's own class (FSDP2 swaps in a subclass that also derives from FSDPModule)."""
+    cls = type(model)
+    if issubclass(cls, FSDPModule):
+        bases = [b for b in cls.__bases__ if b is not FSDPModule]
+        if len(bases) != 1:
+            raise TypeError(f"cannot find the original class behind {cls.__name__}")
+        return bases[0]
+    return cls
+
+
+def export_hf(path: str, model, source_dir: str) -> None:
+    """Gather full weights to rank 0 and write a Hugging Face model directory there. Collective."""
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if _rank() == 0:
+        os.makedirs(path, exist_ok=True)
+        cls = unwrapped_class(model)
+        with torch.device("meta"):
+            fresh = cls(model.config)
+        fresh.load_state_dict(full, assign=True, strict=True)
+        fresh.tie_weights()
+        fresh.save_pretrained(path)
+        for name in sorted(os.listdir(source_dir)):
+            src = os.path.join(source_dir, name)
+            if not os.path.isfile(src) or name in _NOT_COPIED or name.endswith(_WEIGHT_SUFFIXES):
+                continue
+            if not os.path.exists(os.path.join(path, name)):
+                shutil.copy2(src, os.path.join(path, name))
+    _barrier()

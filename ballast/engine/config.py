@@ -1,0 +1,135 @@
+"""Frozen configuration objects of the training engine.
+
+The trainer validates its hydra config once and builds these; the engine never mutates them. Every
+field that has a unit carries it in its name (`*_per_gpu`, `*_tokens`, `*_steps`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ROLES = ("actor", "critic", "ref")
+LR_SCHEDULES = ("constant", "cosine")
+DEVICES = ("auto", "cpu", "cuda")
+ATTN_BACKENDS = ("auto", "sdpa", "flash")
+PRECISIONS = ("auto", "fp32", "bf16")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW and learning-rate schedule.
+
+    The schedule is a factor on `lr` as a function of the number of optimizer steps already taken
+    (see `ballast.engine.optim.lr_factor`): linear warmup over `warmup_steps`, then constant or a
+    cosine decay to `min_lr_ratio * lr` at `total_steps`.
+    """
+
+    lr: float = 1e-6
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    total_steps: int | None = None
+    min_lr_ratio: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.lr < 0:
+            raise ValueError(f"optim.lr must be >= 0, got {self.lr}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"optim.lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.lr_schedule == "cosine":
+            if self.total_steps is None or self.total_steps <= self.warmup_steps:
+                raise ValueError(
+                    f"optim.lr_schedule='cosine' needs optim.total_steps > optim.warmup_steps, "
+                    f"got total_steps={self.total_steps}, warmup_steps={self.warmup_steps}"
+                )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What one engine (actor, critic or reference model) loads and how it is parallelised.
+
+    `precision="auto"` means bf16 compute with fp32 master weights and fp32 gradient reduction on CUDA,
+    plain fp32 on CPU. `cpu_offload` (FSDP2 parameter/gradient/optimizer offload) exists on CUDA only.
+    `logprob_chunk_tokens` bounds how many token rows of full-vocab float32 logits exist at once when
+    log-probs and entropy are computed.
+    """
+
+    model_path: str
+    role: str = "actor"
+    use_remove_padding: bool = True
+    ulysses_sequence_parallel_size: int = 1
+    device: str = "auto"
+    precision: str = "auto"
+    attn_backend: str = "auto"
+    enable_activation_checkpointing: bool = False
+    cpu_offload: bool = False
+    reshard_after_forward: bool = True
+    grad_clip: float | None = 1.0
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    logprob_chunk_tokens: int = 1024
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"engine role must be one of {ROLES}, got {self.role!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"engine device must be one of {DEVICES}, got {self.device!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"engine precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.attn_backend not in ATTN_BACKENDS:
+            raise ValueError(f"engine attn_backend must be one of {ATTN_BACKENDS}, got {self.attn_backend!r}")
+        sp = self.ulysses_sequence_parallel_size
+        if not isinstance(sp, int) or sp < 1:
+            raise ValueError(f"ulysses_sequence_parallel_size must be an int >= 1, got {sp!r}")
+        if sp > 1 and not self.use_remove_padding:
+            raise ValueError(
+                f"ulysses_sequence_parallel_size={sp} needs use_remove_padding=True "
+                "(Ulysses slices the packed token sequence)"
+            )
+        if self.grad_clip is not None and self.grad_clip <= 0:
+            raise ValueError(f"grad_clip must be > 0 or None, got {self.grad_clip}")
+        if self.logprob_chunk_tokens < 1:
+            raise ValueError(f"logprob_chunk_tokens must be >= 1, got {self.logprob_chunk_tokens}")
+
+    @property
+    def trainable(self) -> bool:
+        return self.role in ("actor", "critic")
+
+
+@dataclass(frozen=True)
+class MicroBatchSpec:
+    """How one mini-batch is cut into micro-batches on each rank.
+
+    Static: `micro_batch_size_per_gpu` samples per micro-batch. Dynamic: each micro-batch holds at
+    most `max_token_len_per_gpu * sp_size` real tokens (the SP group shares the packed sequence), and
+    the number of micro-batches is agreed across the data-parallel group.
+    """
+
+    use_dynamic_bsz: bool = False
+    micro_batch_size_per_gpu: int | None = None
+    max_token_len_per_gpu: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.use_dynamic_bsz:
+            if self.max_token_len_per_gpu is None or self.max_token_len_per_gpu < 1:
+                raise ValueError(
+                    "MicroBatchSpec(use_dynamic_bsz=True) needs max_token_len_per_gpu >= 1, "
+                    f"got {self.max_token_len_per_gpu!r}"
+                )
+        elif self.micro_batch_size_per_gpu is None or self.micro_batch_size_per_gpu < 1:
+            raise ValueError(
+                "MicroBatchSpec(use_dynamic_bsz=False) needs micro_batch_size_per_gpu >= 1, "
+                f"got {self.micro_batch_size_per_gpu!r}"
+            )
+
+    def token_budget(self, sp_size: int) -> int:
+        """Real tokens one dynamic micro-batch may hold on an SP group of `sp_size` ranks."""
+        if not self.use_dynamic_bsz:
+            raise ValueError("token_budget() is defined for dynamic micro-batching only")
+        return int(self.max_token_len_per_gpu) * int(sp_size)

@@ -1,0 +1,91 @@
+"""Process group and the (dp, sp) device mesh of one engine.
+
+Ranks are laid out row-major on a (dp, sp) mesh: the `sp` ranks of one SP group are consecutive
+(rank = dp_rank * sp + sp_rank) and hold the same micro-batches. The DP group of a rank is the ranks
+with the same sp_rank. FSDP2 shards parameters over the flattened dp x sp mesh (all ranks).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+def resolve_device_type(device: str) -> str:
+    """'auto' -> 'cuda' when a GPU is visible, else 'cpu'."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("engine device='cuda' but torch.cuda.is_available() is False")
+    return device
+
+
+def init_distributed(device_type: str, timeout_s: float = 1800.0) -> None:
+    """Initialise the default process group from torchrun's environment (once per process).
+
+    gloo on CPU, nccl on CUDA. Without torchrun variables a single-rank group is created in-process,
+    so the engine also runs as a plain `python` script.
+    """
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if device_type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend=backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+@dataclass
+class ParallelState:
+    """Who this rank is on the (dp, sp) mesh, and the groups the engine communicates over."""
+
+    mesh: DeviceMesh  # 2-D, dim names ("dp", "sp")
+    fsdp_mesh: DeviceMesh  # 1-D flattening of dp x sp, what FSDP2 shards over
+    dp_group: dist.ProcessGroup
+    sp_group: dist.ProcessGroup
+    dp_size: int
+    sp_size: int
+    dp_rank: int
+    sp_rank: int
+    device_type: str
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_size * self.sp_size
+
+    @property
+    def device(self) -> torch.device:
+        if self.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+
+def build_parallel_state(sp_size: int, device_type: str) -> ParallelState:
+    """Build the (dp, sp) mesh over the whole default process group."""
+    if not dist.is_initialized():
+        raise RuntimeError("call init_distributed() (or torch.distributed.init_process_group) first")
+    world = dist.get_world_size()
+    if sp_size < 1 or world % sp_size:
+        raise ValueError(f"world size {world} is not divisible by ulysses_sequence_parallel_size={sp_size}")
+    dp_size = world // sp_size
+    mesh = init_device_mesh(device_type, (dp_size, sp_size), mesh_dim_names=("dp", "sp"))
+    fsdp_mesh = mesh["dp", "sp"]._flatten("dp_sp")
+    return ParallelState(
+        mesh=mesh,
+        fsdp_mesh=fsdp_mesh,
+        dp_group=mesh["dp"].get_group(),
+        sp_group=mesh["sp"].get_group(),
+        dp_size=dp_size,
+        sp_size=sp_size,
+        dp_rank=mesh.get_local_rank("dp"),
+        sp_rank=mesh.get_local_rank("sp"),
+        device_type=device_type,
+    )

@@ -1,0 +1,269 @@
+"""`TrainEngine`: one model (actor, critic or reference) on the (dp, sp) mesh, TensorDict in and out.
+
+One call of `forward_backward_batch` processes one mini-batch (this rank's share):
+
+1. preflight, collective over the DP group: check the layout, agree the micro-batch count (MAX), and
+   sum the loss tokens and sequences into a `GlobalNorm` (SUM);
+2. for every micro-batch: forward (padded, packed, or packed + Ulysses), `loss_fn(outputs, micro,
+   norm)`, backward. The loss returned by `loss_fn` is the micro-batch's exact share of the mini-batch
+   loss, so summing over micro-batches and DP ranks gives the mini-batch loss;
+3. FSDP reduce-scatters with a plain SUM (see `parallelize`), so the accumulated gradient is the
+   gradient of the mini-batch loss whatever the dp size, sp size or micro-batch cut;
+4. metrics: summed over micro-batches and over the DP group (they are shares too).
+
+Dummy micro-batches (a rank with fewer samples than the agreed count) back-propagate a zero-weighted
+output, contributing exactly zero gradient while issuing the same collectives.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+from torch.distributed.tensor import DTensor
+
+from ballast.engine import checkpoint as ckpt
+from ballast.engine.config import EngineConfig, MicroBatchSpec
+from ballast.engine.dist import ParallelState, build_parallel_state, init_distributed, resolve_device_type
+from ballast.engine.forward import ForwardOptions, forward_micro_batch
+from ballast.engine.losses import GlobalNorm
+from ballast.engine.micro_batch import (
+    MicroBatchPlan,
+    agree_max,
+    dummy_micro_batch,
+    plan_micro_batches,
+    restore_order,
+    split_micro_batches,
+)
+from ballast.engine.model import load_model
+from ballast.engine.optim import build_optimizer, build_scheduler, clip_and_step
+from ballast.engine.padding import check_padded_layout, sequence_lengths
+from ballast.engine.parallelize import parallelize
+
+REQUIRED_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
+LossFn = Callable[[dict, TensorDict, GlobalNorm], tuple[torch.Tensor, dict]]
+
+
+def _check_batch(data: TensorDict) -> str | None:
+    """Error message for a malformed mini-batch, or None."""
+    missing = [k for k in REQUIRED_KEYS if k not in data.keys()]
+    if missing:
+        return f"mini-batch is missing keys {missing} (has {sorted(data.keys())})"
+    batch, seq_len = data["input_ids"].shape
+    response_len = data["responses"].shape[-1]
+    for key in ("attention_mask", "position_ids"):
+        if tuple(data[key].shape) != (batch, seq_len):
+            return f"{key} has shape {tuple(data[key].shape)}, expected {(batch, seq_len)} like input_ids"
+    if tuple(data["response_mask"].shape) != (batch, response_len):
+        return f"response_mask has shape {tuple(data['response_mask'].shape)}, expected {(batch, response_len)}"
+    try:
+        check_padded_layout(data["attention_mask"], response_len)
+    except ValueError as exc:
+        return str(exc)
+    if not torch.equal(data["input_ids"][:, seq_len - response_len :], data["responses"]):
+        return "responses differ from the last R columns of input_ids"
+    return None
+
+
+class TrainEngine:
+    """Load, parallelise and run one model. Collective: every rank of the mesh makes the same calls."""
+
+    def __init__(self, cfg: EngineConfig, parallel: ParallelState | None = None, seed: int = 0) -> None:
+        self.cfg = cfg
+        if parallel is None:
+            device_type = resolve_device_type(cfg.device)
+            init_distributed(device_type)
+            parallel = build_parallel_state(cfg.ulysses_sequence_parallel_size, device_type)
+        if parallel.sp_size != cfg.ulysses_sequence_parallel_size:
+            raise ValueError(
+                f"parallel state has sp={parallel.sp_size} but ulysses_sequence_parallel_size="
+                f"{cfg.ulysses_sequence_parallel_size}"
+            )
+        self.parallel = parallel
+        self.model = parallelize(load_model(cfg.model_path, cfg.role, cfg.trust_remote_code, seed), parallel, cfg)
+        self.optimizer = build_optimizer(self.model.parameters(), cfg.optim) if cfg.trainable else None
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim) if cfg.trainable else None
+        self.global_step = 0
+        self.skipped_steps = 0
+
+    # ------------------------------------------------------------------ mini-batch execution
+    def _preflight(self, data: TensorDict, spec: MicroBatchSpec) -> tuple[GlobalNorm, MicroBatchPlan]:
+        error = _check_batch(data)
+        group, device = self.parallel.dp_group, self.parallel.device
+        (any_error,) = agree_max([int(error is not None)], group, device)
+        if any_error:
+            raise ValueError(error or "another DP rank received a malformed mini-batch")
+        self._check_sp_peers_agree(data)
+        counts = torch.tensor(
+            [float(data["response_mask"].sum()), float(data.batch_size[0])], dtype=torch.float64, device=device
+        )
+        if self.parallel.dp_size > 1:
+            dist.all_reduce(counts, group=group)
+        (response_len,) = agree_max([int(data["responses"].shape[-1])], group, device)
+        norm = GlobalNorm(num_tokens=int(counts[0]), num_sequences=int(counts[1]), response_len=response_len)
+        lengths = sequence_lengths(data["attention_mask"]).cpu().numpy()
+        plan = plan_micro_batches(lengths, spec, self.parallel.sp_size, group, device)
+        return norm, plan
+
+    def _check_sp_peers_agree(self, data: TensorDict) -> None:
+        """SP peers must hold identical micro-batches; a cheap fingerprint catches a dispatch bug."""
+        if self.parallel.sp_size == 1:
+            return
+        ids = data["input_ids"].to(torch.int64) * data["attention_mask"].to(torch.int64)
+        weights = torch.arange(1, ids.shape[-1] + 1, device=ids.device)
+        fingerprint = [int(data.batch_size[0]), int((ids * weights).sum()) % (2**61 - 1)]
+        high = agree_max(fingerprint, self.parallel.sp_group, self.parallel.device)
+        low = [-v for v in agree_max([-v for v in fingerprint], self.parallel.sp_group, self.parallel.device)]
+        if high != low:
+            raise ValueError(f"SP peers hold different mini-batches (fingerprints range {low}..{high})")
+
+    def _forward_options(self, temperature: float, calculate_entropy: bool) -> ForwardOptions:
+        return ForwardOptions(
+            is_critic=self.cfg.role == "critic",
+            use_remove_padding=self.cfg.use_remove_padding,
+            temperature=temperature,
+            calculate_entropy=calculate_entropy,
+            chunk_tokens=self.cfg.logprob_chunk_tokens,
+            attn_backend=self.cfg.attn_backend,
+        )
+
+    def _run_dummy(self, seq_len: int, response_len: int, opts: ForwardOptions, backward: bool) -> None:
+        dummy = dummy_micro_batch(seq_len, response_len, self.parallel.device)
+        outputs = forward_micro_batch(self.model, dummy, opts, self.parallel)
+        if backward:
+            zero = sum(v.sum() for v in outputs.values()) * 0.0
+            zero.backward()
+
+    def forward_backward_batch(
+        self,
+        data: TensorDict,
+        loss_fn: LossFn,
+        spec: MicroBatchSpec,
+        forward_only: bool = False,
+        temperature: float = 1.0,
+        calculate_entropy: bool = False,
+    ) -> dict[str, float]:
+        """Forward (and backward) this rank's mini-batch; gradients accumulate into `.grad`.
+
+        `loss_fn(outputs, micro, norm) -> (loss, metrics)`: outputs are `log_probs` (+`entropy`) or
+        `values`, (B_micro, R); loss and every metric must be the micro-batch's SHARE of the mini-batch
+        value (normalise with `norm`, e.g. via `agg_loss`). Returns the mini-batch `loss` and metrics
+        (summed over micro-batches and the DP group) plus bookkeeping counts. Collective.
+        """
+        if not forward_only and not self.cfg.trainable:
+            raise ValueError(f"role {self.cfg.role!r} has no optimizer; call with forward_only=True")
+        norm, plan = self._preflight(data, spec)
+        opts = self._forward_options(temperature, calculate_entropy)
+        device = self.parallel.device
+        seq_len, response_len = data["input_ids"].shape[1], data["responses"].shape[1]
+        self.model.train(not forward_only)
+        sums: dict[str, float] = {"loss": 0.0}
+        with torch.set_grad_enabled(not forward_only):
+            for micro in split_micro_batches(data, plan):
+                micro = micro.to(device)
+                outputs = forward_micro_batch(self.model, micro, opts, self.parallel)
+                loss, metrics = loss_fn(outputs, micro, norm)
+                if not forward_only:
+                    loss.backward()
+                sums["loss"] += float(loss.detach())
+                for key, value in metrics.items():
+                    sums[key] = sums.get(key, 0.0) + float(value.detach() if torch.is_tensor(value) else value)
+            for _ in range(plan.num_dummy):
+                self._run_dummy(seq_len, response_len, opts, backward=not forward_only)
+        result = self._sum_over_dp(sums)
+        result.update(
+            num_micro_batches=float(plan.num_micro_batches),
+            num_dummy_micro_batches=float(plan.num_dummy),
+            num_tokens=float(norm.num_tokens),
+            num_sequences=float(norm.num_sequences),
+        )
+        return result
+
+    def _sum_over_dp(self, sums: dict[str, float]) -> dict[str, float]:
+        if self.parallel.dp_size == 1:
+            return dict(sums)
+        gathered: list[dict] = [None] * self.parallel.dp_size  # type: ignore[list-item]
+        dist.all_gather_object(gathered, sums, group=self.parallel.dp_group)
+        total: dict[str, float] = {}
+        for part in gathered:
+            for key, value in part.items():
+                total[key] = total.get(key, 0.0) + value
+        return total
+
+    @torch.no_grad()
+    def infer_batch(
+        self, data: TensorDict, spec: MicroBatchSpec, temperature: float = 1.0, calculate_entropy: bool = False
+    ) -> TensorDict:
+        """`log_probs` (+`entropy`) for actor/ref, `values` for a critic: (B, R), input row order."""
+        _, plan = self._preflight(data, spec)
+        opts = self._forward_options(temperature, calculate_entropy)
+        self.model.eval()
+        per_key: dict[str, list[torch.Tensor]] = {}
+        for micro in split_micro_batches(data, plan):
+            outputs = forward_micro_batch(self.model, micro.to(self.parallel.device), opts, self.parallel)
+            for key, value in outputs.items():
+                per_key.setdefault(key, []).append(value.detach())
+        for _ in range(plan.num_dummy):
+            self._run_dummy(data["input_ids"].shape[1], data["responses"].shape[1], opts, backward=False)
+        batch = data.batch_size[0]
+        if batch == 0:
+            keys = ["values"] if opts.is_critic else ["log_probs"] + (["entropy"] if calculate_entropy else [])
+            empty = torch.zeros(0, data["responses"].shape[1], device=self.parallel.device)
+            return TensorDict({k: empty.clone() for k in keys}, batch_size=[0])
+        restored = {key: restore_order(values, plan) for key, values in per_key.items()}
+        return TensorDict(restored, batch_size=[batch])
+
+    # ------------------------------------------------------------------ optimizer
+    def zero_grad(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def optimizer_step(self) -> dict[str, float]:
+        """Clip, step (unless the grad norm is not finite), advance the schedule, zero the grads."""
+        if self.optimizer is None:
+            raise ValueError(f"role {self.cfg.role!r} has no optimizer")
+        lr = self.optimizer.param_groups[0]["lr"]
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grad_norm, stepped = clip_and_step(params, self.optimizer, self.scheduler, self.cfg.grad_clip)
+        if stepped:
+            self.global_step += 1
+        else:
+            self.skipped_steps += 1
+        return {
+            "grad_norm": grad_norm if math.isfinite(grad_norm) else float("nan"),
+            "lr": float(lr),
+            "step_skipped": float(not stepped),
+            "skipped_steps": float(self.skipped_steps),
+            "global_step": float(self.global_step),
+        }
+
+    # ------------------------------------------------------------------ weights and checkpoints
+    def iter_full_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF parameter name, full tensor) for every weight, same order on every rank. Collective.
+
+        Tied weights are yielded once, under their first name (as `save_pretrained` writes them).
+        """
+        seen: set[int] = set()
+        for name, tensor in self.model.state_dict().items():
+            if id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            yield name, (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
+
+    def save_checkpoint(self, path: str) -> None:
+        ckpt.save_checkpoint(path, self.model, self.optimizer, self.scheduler, self._counters())
+
+    def load_checkpoint(self, path: str) -> None:
+        counters = ckpt.load_checkpoint(path, self.model, self.optimizer, self.scheduler)
+        self.global_step = int(counters.get("global_step", 0))
+        self.skipped_steps = int(counters.get("skipped_steps", 0))
+
+    def export_hf(self, path: str) -> None:
+        """Write a complete HF model directory (config, weights, tokenizer files) from rank 0."""
+        ckpt.export_hf(path, self.model, self.cfg.model_path)
+
+    def _counters(self) -> dict[str, int]:
+        return {"global_step": self.global_step, "skipped_steps": self.skipped_steps}

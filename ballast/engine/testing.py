@@ -1,0 +1,144 @@
+"""Helpers for tests, the demo and the benchmark: a tiny model, synthetic batches, a process launcher.
+
+`spawn_ranks` starts a gloo "torchrun" in-process (one spawned process per rank, a FileStore for
+rendezvous) and enforces a wall-clock deadline: a rank that hangs in a collective is killed and the
+call raises, so a hang is a test failure rather than a stuck CI job.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+import torch.multiprocessing as mp
+from tensordict import TensorDict
+
+
+def build_tiny_causal_lm(
+    path: str,
+    seed: int = 0,
+    vocab_size: int = 128,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    max_positions: int = 1024,
+    tie_word_embeddings: bool = False,
+) -> str:
+    """Save a random Qwen2ForCausalLM (head_dim = hidden / heads) into `path`; returns `path`."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=hidden_size // num_heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=tie_word_embeddings,
+        use_cache=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config).float()
+    model.save_pretrained(path)
+    return path
+
+
+def make_rl_batch(
+    prompt_lens: Sequence[int],
+    response_lens: Sequence[int],
+    vocab_size: int,
+    seed: int = 0,
+    prompt_width: int | None = None,
+    response_width: int | None = None,
+) -> TensorDict:
+    """A padded batch in the engine's layout with random tokens and per-token `advantages`.
+
+    Prompts are left-padded to `prompt_width` (P), responses right-padded to `response_width` (R);
+    `position_ids` count real tokens from 0; `response_mask` marks real response tokens.
+    """
+    if len(prompt_lens) != len(response_lens):
+        raise ValueError(f"{len(prompt_lens)} prompt lengths but {len(response_lens)} response lengths")
+    gen = np.random.default_rng(seed)
+    batch = len(prompt_lens)
+    p_w = prompt_width or max(prompt_lens)
+    r_w = response_width or max(response_lens)
+    input_ids = torch.zeros(batch, p_w + r_w, dtype=torch.int64)
+    attention_mask = torch.zeros(batch, p_w + r_w, dtype=torch.int64)
+    for b, (p, r) in enumerate(zip(prompt_lens, response_lens)):
+        if not (1 <= p <= p_w and 0 <= r <= r_w):
+            raise ValueError(f"row {b}: prompt {p} / response {r} do not fit widths P={p_w}, R={r_w}")
+        input_ids[b, p_w - p : p_w + r] = torch.from_numpy(gen.integers(1, vocab_size, p + r))
+        attention_mask[b, p_w - p : p_w + r] = 1
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    advantages = torch.from_numpy(gen.standard_normal((batch, r_w))).float()
+    return TensorDict(
+        {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+            "responses": input_ids[:, p_w:].clone(),
+            "response_mask": attention_mask[:, p_w:].clone(),
+            "advantages": advantages,
+        },
+        batch_size=[batch],
+    )
+
+
+def _rank_entry(rank: int, world: int, store_path: str, fn: Callable, args: tuple, threads: int) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+        OMP_NUM_THREADS=str(threads),
+    )
+    torch.set_num_threads(threads)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+    except BaseException:
+        traceback.print_exc()
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_ranks(fn: Callable, world_size: int, args: tuple = (), timeout_s: float = 300.0, threads: int = 1) -> None:
+    """Run `fn(rank, world_size, *args)` on `world_size` spawned CPU ranks with a gloo process group.
+
+    Raises RuntimeError if any rank fails or if they have not all finished after `timeout_s` (the
+    stragglers are killed first). `fn` must be importable (a module-level function).
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        ctx = mp.start_processes(
+            _rank_entry, args=(world_size, store, fn, args, threads), nprocs=world_size,
+            join=False, start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not ctx.join(timeout=max(0.0, min(1.0, deadline - time.monotonic()))):
+                if time.monotonic() >= deadline:
+                    alive = [i for i, p in enumerate(ctx.processes) if p.is_alive()]
+                    raise RuntimeError(
+                        f"ranks {alive} of {world_size} still running after {timeout_s:.0f} s "
+                        "(a collective that not every rank entered?); killed"
+                    )
+        except mp.ProcessRaisedException as exc:
+            raise RuntimeError(f"a rank failed:\n{exc}") from None
+        except mp.ProcessExitedException as exc:
+            raise RuntimeError(f"a rank exited abnormally: {exc}") from None
+        finally:
+            for proc in ctx.processes:
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join(5)
