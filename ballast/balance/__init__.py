@@ -1,0 +1,43 @@
+"""Pure batch math for balancing RL training steps (numpy only, no torch required, no processes).
+
+* workload models: :func:`workload_costs` with ``"tokens"``, ``"verl"`` or a :class:`FlopsModel`;
+* partitioning: :func:`karmarkar_karp`, :func:`greedy_partition`, :func:`refine_partition`,
+  :func:`validate_partition`;
+* DP balance: :func:`balance_batch` -> :class:`BalancePlan` (order, partitions, verl-named metrics);
+* micro-batches: :func:`plan_static_micro_batches`, :func:`min_micro_batches`,
+  :func:`plan_dynamic_micro_batches`, :func:`plan_joint_micro_batches`, :func:`inverse_permutation`;
+* the lockstep cost model of FSDP micro-steps: :func:`lockstep_cost`.
+"""
+
+from .dp_balance import BalancePlan, balance_batch, balance_metrics
+from .joint import lockstep_cost, plan_joint_micro_batches
+from .micro_batch import (
+    inverse_permutation,
+    min_micro_batches,
+    plan_dynamic_micro_batches,
+    plan_static_micro_batches,
+)
+from .partition import greedy_partition, karmarkar_karp, partition_sums, validate_partition
+from .refine import refine_partition
+from .workload import VERL_LINEAR_COEFF, FlopsModel, Workload, workload_costs
+
+__all__ = [
+    "BalancePlan",
+    "FlopsModel",
+    "VERL_LINEAR_COEFF",
+    "Workload",
+    "balance_batch",
+    "balance_metrics",
+    "greedy_partition",
+    "inverse_permutation",
+    "karmarkar_karp",
+    "lockstep_cost",
+    "min_micro_batches",
+    "partition_sums",
+    "plan_dynamic_micro_batches",
+    "plan_joint_micro_batches",
+    "plan_static_micro_batches",
+    "refine_partition",
+    "validate_partition",
+    "workload_costs",
+]

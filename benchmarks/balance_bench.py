@@ -1,0 +1,261 @@
+"""Side-by-side benchmark of one training step's batch planning: Ballast's ``ballast.balance`` vs
+verl 0.9.1's ``verl.utils.seqlen_balancing`` (installed with ``pip install --no-deps verl==0.9.1``;
+only this script imports it).
+
+Each case is a seeded length distribution (prompt + response tokens per sample), a size
+(N samples, dp ranks, per-micro-batch token budget) and a model shape whose forward FLOPs are the
+cost of a sample (``FlopsModel``: linear terms + causal attention; Qwen2.5-0.5B and Qwen2.5-7B
+config numbers, no download). The whole step is treated as one mini-batch (the compute_log_prob
+path: every rank micro-batches all of its samples).
+
+Pipelines (both start from the per-sample lengths; ``seconds`` is their wall time):
+
+* ours: ``balance_batch(lengths, dp, workload=flops)`` (equal-count DP partition) then
+  ``plan_joint_micro_batches(lengths_per_rank, budget, workload=flops)``.
+* verl: ``_balance_batch``'s steps: ``calculate_workload`` (24576*L + L^2) then
+  ``get_seqlen_balanced_partitions(..., k=dp, equal_size=True)`` and its per-partition reorder;
+  then, per rank, ``rearrange_micro_batches``' steps with the count all-reduced by MAX, emulated:
+  count = max over ranks of min(n_r, ceil(tokens_r / budget)); every rank calls
+  ``get_seqlen_balanced_partitions(workloads_r, count, equal_size=False)``; if any rank breaks the
+  budget the count grows by one on all ranks (its all-reduce MIN of "within limit"); then its
+  ordering (sort by workload, descending, then alternate ends). verl's functions get Python lists
+  (their fastest input). ``--check-emulation`` (on by default) first checks that this emulation
+  with one rank returns exactly what verl's own ``rearrange_micro_batches`` returns.
+
+Metrics, identical for both systems (``cost`` = FLOPs of the case's model, summed over samples):
+
+* ``dp_imbalance``: max over ranks of the rank's cost / mean rank cost.
+* ``lockstep_over_lower_bound``: ``sum_j max_r cost(micro-batch j of rank r)`` (ranks advance
+  through micro-batches together under FSDP; no fixed per-step cost) divided by the lower bound
+  ``total cost / dp`` (perfect balance, free splitting).
+* ``num_micro_batches``: micro-batches per rank (equal on all ranks, checked).
+* ``max_micro_tokens_over_budget``: the largest micro-batch's token sum / budget.
+* ``seconds``: wall time of the planning pipeline above.
+
+Usage: ``python benchmarks/balance_bench.py [--json PATH] [--quick] [--repeat R]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+
+import numpy as np
+import torch  # verl's functions take and return torch tensors
+
+from ballast.balance import FlopsModel, balance_batch, lockstep_cost, plan_joint_micro_batches, workload_costs
+
+MODELS = {
+    # Numbers from the public config.json files of Qwen/Qwen2.5-0.5B and Qwen/Qwen2.5-7B.
+    "qwen2.5-0.5b": FlopsModel(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
+                               intermediate_size=4864, vocab_size=151936),
+    "qwen2.5-7b": FlopsModel(hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4,
+                             intermediate_size=18944, vocab_size=152064),
+}
+SIZES = [(1024, 8, 16384), (4096, 32, 32768), (8192, 64, 32768)]
+
+
+def _uniform(rng: np.random.Generator, n: int, max_len: int) -> np.ndarray:
+    return rng.integers(256, min(8192, max_len) + 1, n)
+
+
+def _lognormal(rng: np.random.Generator, n: int, max_len: int) -> np.ndarray:
+    """Prompt + a long-tailed response truncated at an RL config's max_response_length (budget/2 - 1024)."""
+    prompt = rng.integers(64, 1025, n)
+    response = np.exp(rng.normal(np.log(1024), 1.0, n)).astype(np.int64)
+    return prompt + np.clip(response, 1, max_len // 2 - 1024)
+
+
+def _lognormal_untruncated(rng: np.random.Generator, n: int, max_len: int) -> np.ndarray:
+    """Stress case: the same tail cut only at the budget, so a rare sample fills a micro-batch alone."""
+    prompt = rng.integers(64, 1025, n)
+    response = np.exp(rng.normal(np.log(1024), 1.0, n)).astype(np.int64)
+    return np.clip(prompt + response, 32, max_len)
+
+
+def _bimodal(rng: np.random.Generator, n: int, max_len: int) -> np.ndarray:
+    short = rng.normal(700, 200, n)
+    long = rng.normal(7000, 2000, n)
+    return np.clip(np.where(rng.random(n) < 0.6, short, long).astype(np.int64), 32, max_len)
+
+
+def _longctx(rng: np.random.Generator, n: int, max_len: int) -> np.ndarray:
+    return np.clip(np.exp(rng.normal(np.log(8192), 0.6, n)).astype(np.int64), 1024, min(32768, max_len))
+
+
+DISTRIBUTIONS = {"uniform": _uniform, "lognormal": _lognormal, "bimodal": _bimodal, "longctx": _longctx}
+STRESS_DISTRIBUTIONS = {"lognormal_untruncated": _lognormal_untruncated}
+
+
+def evaluate(plan: list[list[np.ndarray]], tokens: np.ndarray, costs: np.ndarray, budget: int) -> dict:
+    """Metrics of ``plan[r][j]`` (original sample indices), the same for both systems."""
+    dp = len(plan)
+    flat = np.concatenate([mb for rank in plan for mb in rank])
+    assert np.array_equal(np.sort(flat), np.arange(len(tokens))), "a plan lost or duplicated samples"
+    counts = {len(rank) for rank in plan}
+    assert len(counts) == 1, f"ranks have different micro-batch counts {sorted(counts)}"
+    per_rank = {sum(len(mb) for mb in rank) for rank in plan}
+    assert len(per_rank) == 1, "ranks have different sample counts"
+    rank_costs = np.array([sum(costs[mb].sum() for mb in rank) for rank in plan])
+    lower_bound = costs.sum() / dp
+    micro_costs = [[float(costs[mb].sum()) for mb in rank] for rank in plan]
+    return {
+        "dp_imbalance": float(rank_costs.max() / rank_costs.mean()),
+        "lockstep_over_lower_bound": lockstep_cost(micro_costs) / lower_bound,
+        "num_micro_batches": counts.pop(),
+        "max_micro_tokens_over_budget": max(int(tokens[mb].sum()) for rank in plan for mb in rank) / budget,
+    }
+
+
+def plan_ours(tokens: np.ndarray, dp: int, budget: int, model: FlopsModel) -> list[list[np.ndarray]]:
+    dp_plan = balance_batch(tokens, dp, workload=model)
+    joint = plan_joint_micro_batches([tokens[p] for p in dp_plan.partitions], budget, workload=model)
+    return [[part[mb] for mb in rank] for part, rank in zip(dp_plan.partitions, joint)]
+
+
+def _verl_micro_batches(lens_per_rank: list[list[int]], budget: int, sb) -> list[list[list[int]]]:
+    """verl's rearrange_micro_batches on every rank with the DP all-reduces emulated."""
+    workloads = [sb.calculate_workload(torch.tensor(lens, dtype=torch.int64)).tolist() for lens in lens_per_rank]
+    count = max(min(len(lens), sb.ceildiv(sum(lens), budget)) for lens in lens_per_rank)  # all-reduce MAX
+    min_groups = min(len(lens) for lens in lens_per_rank)
+    if max(max(lens) for lens in lens_per_rank) > budget:
+        raise ValueError("a sample exceeds the budget")
+    while True:
+        if count > min_groups:
+            raise ValueError("verl: more micro-batches than samples on some rank")
+        parts = [sb.get_seqlen_balanced_partitions(w, count, equal_size=False) for w in workloads]
+        within = all(
+            sum(lens[i] for i in p) <= budget for lens, rank in zip(lens_per_rank, parts) for p in rank
+        )  # all-reduce MIN of within_limit
+        if within:
+            break
+        count += 1
+    ordered = []
+    for w, rank in zip(workloads, parts):
+        rank.sort(key=lambda p: (sum(w[i] for i in p), p[0] if p else 0), reverse=True)
+        ordered.append(rank[::2][::-1] + rank[1::2])
+    return ordered
+
+
+def plan_verl(tokens: np.ndarray, dp: int, budget: int, sb) -> list[list[np.ndarray]]:
+    seqlen = torch.tensor(tokens, dtype=torch.int64)
+    workload = sb.calculate_workload(seqlen).tolist()
+    partitions = sb.get_seqlen_balanced_partitions(workload, k_partitions=dp, equal_size=True)
+    for r, part in enumerate(partitions):  # _balance_batch's per-partition reorder
+        part.sort(key=lambda x: (workload[x], x))
+        partitions[r] = part[::2] + part[1::2][::-1]
+    token_list = tokens.tolist()
+    micro = _verl_micro_batches([[token_list[i] for i in part] for part in partitions], budget, sb)
+    return [[np.asarray([part[i] for i in mb], dtype=np.int64) for mb in rank] for part, rank in zip(partitions, micro)]
+
+
+def check_emulation(sb) -> None:
+    """With one rank and no process group, verl's own rearrange_micro_batches must agree with the emulation."""
+    from tensordict import TensorDict
+
+    rng = np.random.default_rng(1234)
+    for n, budget in ((64, 8192), (200, 16384)):
+        lens = np.clip(np.exp(rng.normal(np.log(1024), 1.0, n)).astype(np.int64), 16, 4096)
+        mask = torch.arange(int(lens.max()))[None, :] < torch.tensor(lens)[:, None]
+        batch = TensorDict({"input_ids": mask.long(), "attention_mask": mask.long()}, batch_size=[n])
+        _, reference = sb.rearrange_micro_batches(batch, max_token_len=budget)
+        emulated = _verl_micro_batches([lens.tolist()], budget, sb)[0]
+        if [list(map(int, p)) for p in reference] != [list(map(int, p)) for p in emulated]:
+            raise SystemExit(f"verl emulation differs from rearrange_micro_batches (n={n}, budget={budget})")
+
+
+def run_case(name: str, tokens: np.ndarray, dp: int, budget: int, model: FlopsModel, sb, repeat: int) -> dict:
+    """Both pipelines on one case; each timed up to ``repeat`` times (fewer once it has run 2 s), fastest kept."""
+    costs = workload_costs(tokens, model)
+    out = {"name": name}
+    for system, planner in (("ours", lambda: plan_ours(tokens, dp, budget, model)),
+                            ("verl", lambda: plan_verl(tokens, dp, budget, sb))):
+        times = []
+        while len(times) < repeat and sum(times) < 2.0:
+            t0 = time.perf_counter()
+            plan = planner()
+            times.append(time.perf_counter() - t0)
+        out[system] = {**evaluate(plan, tokens, costs, budget), "seconds": min(times)}
+    return out
+
+
+def build_cases(quick: bool, distributions: dict = DISTRIBUTIONS, seed_offset: int = 0):
+    sizes = SIZES[:1] if quick else SIZES
+    for d_index, (dist, sampler) in enumerate(distributions.items()):
+        for s_index, (n, dp, budget) in enumerate(sizes):
+            rng = np.random.default_rng(1000 + seed_offset + 10 * d_index + s_index)
+            tokens = sampler(rng, n, budget).astype(np.int64)
+            for model_name, model in MODELS.items():
+                yield f"{dist}/N={n},dp={dp},budget={budget}/{model_name}", tokens, dp, budget, model
+
+
+def print_table(cases: list[dict]) -> None:
+    cols = [("dp_imbalance", "dp_imb", "{:.5f}"), ("lockstep_over_lower_bound", "lockstep/LB", "{:.4f}"),
+            ("num_micro_batches", "mb", "{:d}"), ("max_micro_tokens_over_budget", "maxtok/bud", "{:.3f}"),
+            ("seconds", "sec", "{:.3f}")]
+    header = "| case | " + " | ".join(f"{c[1]} ours | {c[1]} verl" for c in cols) + " |"
+    print(header)
+    print("|" + "---|" * (1 + 2 * len(cols)))
+    for case in cases:
+        cells = [case["name"]]
+        for key, _, fmt in cols:
+            cells += [fmt.format(case["ours"][key]), fmt.format(case["verl"][key])]
+        print("| " + " | ".join(cells) + " |")
+
+
+def check_targets(cases: list[dict]) -> list[str]:
+    failures = []
+    for c in cases:
+        ours, verl = c["ours"], c["verl"]
+        if ours["max_micro_tokens_over_budget"] > 1.0:
+            failures.append(f"{c['name']}: over budget")
+        if ours["lockstep_over_lower_bound"] > 1.02 or ours["lockstep_over_lower_bound"] > verl["lockstep_over_lower_bound"]:
+            failures.append(f"{c['name']}: lockstep {ours['lockstep_over_lower_bound']:.4f} (verl {verl['lockstep_over_lower_bound']:.4f})")
+        if ours["dp_imbalance"] > verl["dp_imbalance"]:
+            failures.append(f"{c['name']}: dp_imbalance {ours['dp_imbalance']:.6f} > verl {verl['dp_imbalance']:.6f}")
+        if ours["num_micro_batches"] > verl["num_micro_batches"] + 1:
+            failures.append(f"{c['name']}: {ours['num_micro_batches']} micro-batches vs verl {verl['num_micro_batches']}")
+        if "N=8192" in c["name"] and ours["seconds"] > verl["seconds"]:
+            failures.append(f"{c['name']}: {ours['seconds']:.3f}s slower than verl {verl['seconds']:.3f}s")
+    return failures
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", metavar="PATH", help="write {'cases': [...]} to PATH")
+    parser.add_argument("--quick", action="store_true", help="only the N=1024 cases")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="time each pipeline up to R times (stopping once it has run 2 s), keep the fastest")
+    parser.add_argument("--stress", action="store_true",
+                        help="add informational cases (not held to the targets): a long tail cut only at the budget")
+    parser.add_argument("--no-check-emulation", action="store_true")
+    args = parser.parse_args(argv)
+    import verl.utils.seqlen_balancing as sb
+
+    if not args.no_check_emulation:
+        check_emulation(sb)
+    cases = [run_case(*case, sb, args.repeat) for case in build_cases(args.quick)]
+    failures = check_targets(cases)
+    stress = []
+    if args.stress:
+        stress = [run_case(*case, sb, args.repeat) for case in build_cases(args.quick, STRESS_DISTRIBUTIONS, 500)]
+    result = {"machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+              "python": sys.version.split()[0], "cases": cases, "target_failures": failures}
+    if stress:
+        result["stress_cases"] = stress
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    print_table(cases)
+    if stress:
+        print("\nstress cases (informational, not held to the targets):")
+        print_table(stress)
+    print("targets: all met" if not failures else "targets missed:\n  " + "\n  ".join(failures))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
