@@ -61,13 +61,15 @@ _MARKER_FILE = "ballast_build.json"  # written last; its presence means the buil
 
 def resolve_settings(preset: str = "tiny", seed: int = 0, **overrides) -> dict:
     """Preset merged with overrides, validated; the exact inputs of a build (and its cache key)."""
-    from transformers import Qwen2Config
-
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     settings = dict(PRESETS[preset])
-    known = set(Qwen2Config().to_dict()) | set(settings)
-    unknown = sorted(set(overrides) - known)
+    unknown = sorted(set(overrides) - set(settings))
+    if unknown:
+        # Imported only here so that finding an already-built model stays free of transformers.
+        from transformers import Qwen2Config
+
+        unknown = sorted(set(unknown) - set(Qwen2Config().to_dict()))
     if unknown:
         raise ValueError(f"unknown model overrides {unknown}; allowed: Qwen2Config fields and 'tokenizer_vocab_size'")
     settings.update(overrides)
