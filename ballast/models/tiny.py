@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 from ballast.models.corpus import training_corpus
-from ballast.models.tokenizer import train_tokenizer
+from ballast.models.tokenizer import pipeline_fingerprint, save_tokenizer, train_tokenizer
 
 # Bump when the builder's output changes for the same settings (corpus, pipeline, config fields):
 # it is part of the cache key, so stale cached models are never reused.
@@ -87,9 +87,12 @@ def resolve_settings(preset: str = "tiny", seed: int = 0, **overrides) -> dict:
 
 
 def settings_hash(settings: dict) -> str:
-    """Short stable hash of resolved settings (the cache key)."""
-    blob = json.dumps(settings, sort_keys=True, default=str).encode()
-    return hashlib.sha256(blob).hexdigest()[:12]
+    """Short stable hash of resolved settings plus the tokenizer's inputs (corpus, split pattern,
+    chat template): the cache key, so editing any of them gives a fresh cached build."""
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode())
+    digest.update("\n".join(training_corpus(seed=0)).encode())
+    digest.update(pipeline_fingerprint().encode())
+    return digest.hexdigest()[:12]
 
 
 def build_tiny_model(out_dir: str | os.PathLike, *, preset: str = "tiny", seed: int = 0, **overrides) -> Path:
@@ -123,7 +126,7 @@ def build_tiny_model(out_dir: str | os.PathLike, *, preset: str = "tiny", seed: 
         model = Qwen2ForCausalLM(config).to(torch.float32)
     with _quiet_progress_bars():
         model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    save_tokenizer(tokenizer, out)
     # Only token ids: vLLM takes sampling defaults (temperature, top_k, ...) from this file, and RL
     # rollouts must sample from the unmodified policy.
     GenerationConfig(

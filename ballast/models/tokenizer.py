@@ -97,6 +97,26 @@ def train_tokenizer(corpus: list[str], vocab_size: int):
     )
 
 
+def save_tokenizer(tokenizer, out_dir: str | os.PathLike) -> None:
+    """save_pretrained, then name the class that will really load it.
+
+    `Qwen2Tokenizer` is what AutoTokenizer picks next to a qwen2 config.json anyway; naming it in
+    tokenizer_config.json makes a tokenizer-only copy of the folder load the same class too.
+    """
+    import json
+
+    tokenizer.save_pretrained(out_dir)
+    config_path = Path(out_dir) / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["tokenizer_class"] = "Qwen2Tokenizer"
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+
+
+def pipeline_fingerprint() -> str:
+    """Text that changes whenever the trained tokenizer would (part of the model cache key)."""
+    return "\n".join([QWEN2_SPLIT_PATTERN, CHAT_TEMPLATE, *SPECIAL_TOKENS])
+
+
 def load_tokenizer(path: str | os.PathLike):
     """Load the tokenizer saved in the model directory `path` the same way everywhere.
 

@@ -44,14 +44,18 @@ def test_non_nfc_text_comes_back_nfc_normalised(tok):
     assert tok.decode(ids) == unicodedata.normalize("NFC", decomposed) == "caf\u00e9"
 
 
-def test_every_loader_gives_the_same_ids(built_dir, tok):
-    """AutoTokenizer picks Qwen2Tokenizer (qwen2 config.json present); it must match the raw file."""
+def test_every_loader_gives_the_same_ids(built_dir, tok, tmp_path):
+    """AutoTokenizer rebuilds a Qwen2Tokenizer (normaliser and pre-tokenizer from its own code, not
+    from tokenizer.json); its ids must equal the trained file's, with or without config.json."""
     raw = Tokenizer.from_file(str(built_dir / "tokenizer.json"))
     fast = PreTrainedTokenizerFast.from_pretrained(built_dir)
+    alone = AutoTokenizer.from_pretrained(_copy_tokenizer(built_dir, tmp_path / "alone", with_config=False))
+    assert type(tok).__name__ == type(alone).__name__ == "Qwen2Tokenizer"
     for text in TEXTS + training_corpus()[::50]:
         expected = raw.encode(text, add_special_tokens=False).ids
         assert tok(text, add_special_tokens=False)["input_ids"] == expected, text
         assert fast(text, add_special_tokens=False)["input_ids"] == expected, text
+        assert alone(text, add_special_tokens=False)["input_ids"] == expected, text
 
 
 def test_special_tokens(tok):
