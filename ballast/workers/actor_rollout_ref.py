@@ -1,0 +1,134 @@
+"""The colocated actor / rollout / reference worker: one process per device, holding the roles its
+spec names, over one torch.distributed world.
+
+Creation order matters (see shared ENVIRONMENT notes and `rollout/vllm_backend.py`): the process group
+and the FSDP engines come first, then the vLLM engine, which builds its own groups on that world and
+must be kept for the process's life. Data arrives per role mesh: "actor" and "ref" are (dp, sp)
+meshes of their engines (SP peers get the same chunk, sp rank 0 answers); generation uses
+DP_COMPUTE_PROTO over all ranks, and a TP group all-gathers its prompts, generates once and each rank
+returns its own slice.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, Optional
+
+import torch
+from tensordict import TensorDict
+
+from ballast.engine import TrainEngine
+from ballast.engine.dist import init_distributed, resolve_device_type
+from ballast.protocol import Batch
+from ballast.single_controller import Dispatch, Worker, register
+from ballast.workers.rollout import build_backend, new_tp_group, tp_generate
+from ballast.workers.spec import ActorRolloutRefSpec
+from ballast.workers.train_loop import run_train_loop
+
+ENGINE_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
+PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
+
+
+def engine_input(batch: Batch, extra=()) -> TensorDict:
+    """The TensorDict the engine reads: the sequence layout plus whatever the loss needs."""
+    keys = [k for k in (*ENGINE_KEYS, *extra) if k in batch.tensor_keys]
+    return batch.tensors.select(*keys)
+
+
+class ActorRolloutRefWorker(Worker):
+    def __init__(self, spec: ActorRolloutRefSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.actor: Optional[TrainEngine] = None
+        self.ref: Optional[TrainEngine] = None
+        self.rollout = None
+        self._tp_group = None
+        self._weights_stale = False
+
+    @register(Dispatch.ONE_TO_ALL)
+    def init_model(self) -> Dict[str, object]:
+        spec = self.spec
+        any_engine = spec.actor or spec.ref
+        device_type = resolve_device_type(any_engine.device if any_engine else "auto")
+        init_distributed(device_type, timeout_s=spec.dist_timeout_s)
+        torch.manual_seed(spec.seed)
+        if spec.actor is not None:
+            self.actor = TrainEngine(spec.actor, seed=spec.seed)
+            p = self.actor.parallel
+            self.set_mesh_info("actor", p.dp_rank, p.dp_size, p.sp_rank == 0)
+        if spec.ref is not None:
+            self.ref = TrainEngine(spec.ref, seed=spec.seed)
+            p = self.ref.parallel
+            self.set_mesh_info("ref", p.dp_rank, p.dp_size, p.sp_rank == 0)
+        if spec.rollout is not None:
+            tp = spec.rollout.tensor_model_parallel_size
+            if tp > 1:
+                self._tp_group = new_tp_group(tp)
+            self.rollout = build_backend(spec.rollout)
+            self.rollout.sleep()  # GPU: hand the memory to training until the first generate
+        return {"rank": self.rank, "pid": os.getpid()}
+
+    # ------------------------------------------------------------------ rollout
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def generate_sequences(self, prompts: Batch) -> Batch:
+        """Prompts (left-padded) -> prompts + responses. `meta["validate"]` switches to greedy sampling."""
+        if self.rollout is None:
+            raise ValueError(f"worker rank {self.rank} has no rollout role")
+        self.rollout.wake_up()
+        if self._weights_stale:
+            self.rollout.load_weights(self.actor.iter_full_state_dict())
+            self._weights_stale = False
+        sampling = self.spec.rollout_val_sampling if prompts.meta.get("validate") else None
+        out = tp_generate(self.rollout, prompts.tensors.select(*PROMPT_KEYS), self._tp_group, sampling)
+        self.rollout.sleep()
+        return Batch(out, non_tensors=prompts.non_tensors, meta=prompts.meta)
+
+    # ------------------------------------------------------------------ actor
+    def _require(self, engine, role):
+        if engine is None:
+            raise ValueError(f"worker rank {self.rank} has no {role} role")
+        return engine
+
+    @register(Dispatch.MESH, mesh="actor")
+    def compute_log_prob(self, batch: Batch) -> Batch:
+        """Old log-probs (and per-token entropy, for the metric) under the current actor."""
+        actor = self._require(self.actor, "actor")
+        out = actor.infer_batch(engine_input(batch), self.spec.actor_infer, temperature=self.spec.temperature,
+                                calculate_entropy=True)
+        return Batch({"old_log_probs": out["log_probs"].cpu(), "entropy": out["entropy"].cpu()})
+
+    @register(Dispatch.MESH, mesh="ref")
+    def compute_ref_log_prob(self, batch: Batch) -> Batch:
+        ref = self._require(self.ref, "ref")
+        out = ref.infer_batch(engine_input(batch), self.spec.ref_infer, temperature=self.spec.temperature)
+        return Batch({"ref_log_prob": out["log_probs"].cpu()})
+
+    @register(Dispatch.MESH, mesh="actor")
+    def update_actor(self, batch: Batch) -> Dict[str, float]:
+        actor = self._require(self.actor, "actor")
+        data = engine_input(batch, ("old_log_probs", "advantages", "ref_log_prob"))
+        metrics = run_train_loop(actor, data, self.spec.actor_train, actor.parallel.dp_rank, "actor")
+        self._weights_stale = self.rollout is not None
+        return metrics
+
+    # ------------------------------------------------------------------ checkpoints
+    @register(Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, path: str) -> None:
+        self._require(self.actor, "actor").save_checkpoint(os.path.join(path, "actor"))
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str) -> None:
+        self._require(self.actor, "actor").load_checkpoint(os.path.join(path, "actor"))
+        self._weights_stale = self.rollout is not None
+
+    @register(Dispatch.ONE_TO_ALL)
+    def export_hf(self, path: str) -> None:
+        self._require(self.actor, "actor").export_hf(path)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def actor_state_fingerprint(self) -> float:
+        """Sum of |w| over the actor's full weights: a cheap 'did the parameters change' check."""
+        total = 0.0
+        for _, tensor in self._require(self.actor, "actor").iter_full_state_dict():
+            total += float(tensor.float().abs().sum())
+        return total

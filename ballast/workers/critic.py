@@ -1,0 +1,50 @@
+"""The critic worker: a value model on its own (dp, sp) mesh, trained with the clipped value loss."""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, Optional
+
+import torch
+
+from ballast.engine import TrainEngine
+from ballast.engine.dist import init_distributed, resolve_device_type
+from ballast.protocol import Batch
+from ballast.single_controller import Dispatch, Worker, register
+from ballast.workers.actor_rollout_ref import engine_input
+from ballast.workers.spec import CriticSpec
+from ballast.workers.train_loop import run_train_loop
+
+
+class CriticWorker(Worker):
+    def __init__(self, spec: CriticSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.critic: Optional[TrainEngine] = None
+
+    @register(Dispatch.ONE_TO_ALL)
+    def init_model(self) -> Dict[str, object]:
+        init_distributed(resolve_device_type(self.spec.critic.device), timeout_s=self.spec.dist_timeout_s)
+        torch.manual_seed(self.spec.seed)
+        self.critic = TrainEngine(self.spec.critic, seed=self.spec.seed)
+        p = self.critic.parallel
+        self.set_mesh_info("critic", p.dp_rank, p.dp_size, p.sp_rank == 0)
+        return {"rank": self.rank, "pid": os.getpid()}
+
+    @register(Dispatch.MESH, mesh="critic")
+    def compute_values(self, batch: Batch) -> Batch:
+        out = self.critic.infer_batch(engine_input(batch), self.spec.infer)
+        return Batch({"values": out["values"].cpu()})
+
+    @register(Dispatch.MESH, mesh="critic")
+    def update_critic(self, batch: Batch) -> Dict[str, float]:
+        data = engine_input(batch, ("values", "returns"))
+        return run_train_loop(self.critic, data, self.spec.train, self.critic.parallel.dp_rank, "critic")
+
+    @register(Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, path: str) -> None:
+        self.critic.save_checkpoint(os.path.join(path, "critic"))
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str) -> None:
+        self.critic.load_checkpoint(os.path.join(path, "critic"))

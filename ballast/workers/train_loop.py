@@ -1,0 +1,63 @@
+"""The `update_*` loop shared by actor and critic: epochs x mini-batches of this rank's share.
+
+Pure bookkeeping around the engine: which rows form each mini-batch (optionally shuffled with
+seed + dp rank, so DP ranks shuffle differently but reproducibly), one optimizer step per
+mini-batch, and metrics averaged over mini-batches (each engine metric is already a mini-batch-global
+value, identical on every DP rank).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Dict, Iterator, List
+
+import numpy as np
+from tensordict import TensorDict
+
+from ballast.workers.spec import TrainLoopSpec
+
+
+def mini_batch_indices(num_samples: int, mini_batch_samples: int, epochs: int, shuffle: bool,
+                       seed: int) -> Iterator[np.ndarray]:
+    """Row indices of every mini-batch, epoch by epoch; every row exactly once per epoch."""
+    if num_samples % mini_batch_samples:
+        raise ValueError(
+            f"this rank holds {num_samples} samples, not a multiple of mini_batch_samples_per_rank="
+            f"{mini_batch_samples}: the dispatched step does not match the derived sizes"
+        )
+    rng = np.random.default_rng(seed)
+    for _ in range(epochs):
+        order = rng.permutation(num_samples) if shuffle else np.arange(num_samples)
+        for start in range(0, num_samples, mini_batch_samples):
+            yield order[start:start + mini_batch_samples]
+
+
+def adaptive_grad_clip(grad_clip: float, num_samples: int, min_batch_size: int | None) -> float:
+    """The clip threshold for a mini-batch of `num_samples` (global): linear below the minimum."""
+    if min_batch_size is None or num_samples >= min_batch_size:
+        return grad_clip
+    return grad_clip * num_samples / min_batch_size
+
+
+def run_train_loop(engine, data: TensorDict, spec: TrainLoopSpec, dp_rank: int, prefix: str) -> Dict[str, float]:
+    """Train on `data` (this rank's share of the step); returns metrics averaged over mini-batches."""
+    history: Dict[str, List[float]] = defaultdict(list)
+    indices = mini_batch_indices(data.batch_size[0], spec.mini_batch_samples_per_rank, spec.ppo_epochs,
+                                 spec.shuffle, spec.seed + dp_rank)
+    for rows in indices:
+        engine.zero_grad()
+        out = engine.forward_backward_batch(data[rows], spec.loss_fn, spec.micro, temperature=spec.temperature,
+                                            calculate_entropy=spec.calculate_entropy)
+        clip = None
+        if spec.grad_clip_min_batch_size is not None and engine.cfg.grad_clip is not None:
+            clip = adaptive_grad_clip(engine.cfg.grad_clip, int(out["num_sequences"]), spec.grad_clip_min_batch_size)
+        step = engine.optimizer_step(**({"grad_clip": clip} if clip is not None else {}))
+        for key, value in out.items():
+            name = key if "/" in key else f"{prefix}/{key}"
+            history[name].append(value)
+        history[f"{prefix}/grad_norm"].append(step["grad_norm"])
+        history[f"{prefix}/lr"].append(step["lr"])
+        history[f"{prefix}/step_skipped"].append(step["step_skipped"])
+        if clip is not None:
+            history[f"{prefix}/grad_clip_effective"].append(clip)
+    return {key: float(np.mean(values)) for key, values in history.items()}
