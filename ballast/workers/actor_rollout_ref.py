@@ -69,7 +69,7 @@ class ActorRolloutRefWorker(Worker):
         return {"rank": self.rank, "pid": os.getpid()}
 
     # ------------------------------------------------------------------ rollout
-    @register(Dispatch.DP_COMPUTE_PROTO)
+    @register(Dispatch.DP_COMPUTE_PROTO, pad=True)
     def generate_sequences(self, prompts: Batch) -> Batch:
         """Prompts (left-padded) -> prompts + responses. `meta["validate"]` switches to greedy sampling."""
         if self.rollout is None:

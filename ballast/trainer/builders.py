@@ -1,0 +1,123 @@
+"""Turn the validated config + derived sizes into the frozen specs the workers are built from.
+
+This is the only place where config keys meet engine/rollout/worker objects, so the mapping of each
+verl key to what it controls can be read in one file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional, Tuple
+
+from ballast.engine import EngineConfig, MicroBatchSpec
+from ballast.engine import OptimConfig as EngineOptim
+from ballast.trainer.algorithms.policy_loss import ActorLossConfig, CriticLossConfig, actor_loss, critic_loss
+from ballast.trainer.config import BallastConfig, DerivedSizes, MicroBatching
+from ballast.trainer.config.schema import OptimConfig
+from ballast.workers.rollout import RolloutConfig, SamplingConfig
+from ballast.workers.spec import ActorRolloutRefSpec, CriticSpec, TrainLoopSpec
+
+GIB = 1 << 30
+
+
+def engine_optim(optim: OptimConfig, total_steps: int) -> EngineOptim:
+    total = optim.total_training_steps if optim.total_training_steps > 0 else total_steps
+    warmup = optim.lr_warmup_steps if optim.lr_warmup_steps >= 0 else int(optim.lr_warmup_steps_ratio * total)
+    return EngineOptim(lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay,
+                       lr_schedule=optim.warmup_style, warmup_steps=warmup, total_steps=total,
+                       min_lr_ratio=optim.min_lr_ratio)
+
+
+def micro_spec(mb: MicroBatching) -> MicroBatchSpec:
+    return MicroBatchSpec(use_dynamic_bsz=mb.use_dynamic_bsz, micro_batch_size_per_gpu=mb.micro_batch_size_per_gpu,
+                          max_token_len_per_gpu=mb.max_token_len_per_gpu)
+
+
+def _engine(cfg: BallastConfig, role: str, model, sp: int, grad_clip: Optional[float], optim, fsdp) -> EngineConfig:
+    return EngineConfig(
+        model_path=model.path, role=role, use_remove_padding=model.use_remove_padding,
+        ulysses_sequence_parallel_size=sp, device=cfg.trainer.device,
+        enable_activation_checkpointing=model.enable_gradient_checkpointing,
+        cpu_offload=bool(getattr(fsdp, "param_offload", False) or getattr(fsdp, "optimizer_offload", False)),
+        reshard_after_forward=fsdp.reshard_after_forward, grad_clip=grad_clip, optim=optim,
+        trust_remote_code=model.trust_remote_code,
+    )
+
+
+def sampling_configs(cfg: BallastConfig) -> Tuple[SamplingConfig, SamplingConfig]:
+    """(training sampling, validation sampling) from `actor_rollout_ref.rollout`."""
+    r = cfg.actor_rollout_ref.rollout
+    train = SamplingConfig(
+        temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_response_length=r.response_length,
+        do_sample=r.do_sample, ignore_eos=r.ignore_eos, pad_to_max_response_length=True,
+        calculate_log_probs=r.calculate_log_probs, seed=r.seed,
+    )
+    v = r.val_kwargs
+    val = dataclasses.replace(train, temperature=v.temperature if v.do_sample else 1.0, top_p=v.top_p, top_k=v.top_k,
+                              do_sample=v.do_sample, calculate_log_probs=False)
+    return train, val
+
+
+def rollout_config(cfg: BallastConfig) -> RolloutConfig:
+    r = cfg.actor_rollout_ref.rollout
+    train, _ = sampling_configs(cfg)
+    on_cpu = cfg.trainer.device == "cpu"
+    return RolloutConfig(
+        model_path=cfg.actor_rollout_ref.model.path, backend=r.name, sampling=train, device=cfg.trainer.device,
+        dtype=r.dtype, enforce_eager=r.enforce_eager,
+        max_model_len=r.max_model_len or (r.prompt_length + r.response_length),
+        max_num_batched_tokens=r.max_num_batched_tokens, max_num_seqs=r.max_num_seqs,
+        enable_chunked_prefill=r.enable_chunked_prefill, gpu_memory_utilization=r.gpu_memory_utilization,
+        kv_cache_memory_bytes=r.cpu_kv_cache_gib * GIB if on_cpu else None, free_cache_engine=r.free_cache_engine,
+        tensor_model_parallel_size=r.tensor_model_parallel_size,
+    )
+
+
+def actor_loss_config(cfg: BallastConfig) -> ActorLossConfig:
+    a = cfg.actor_rollout_ref.actor
+    return ActorLossConfig(
+        loss_mode=a.policy_loss.loss_mode, clip_ratio_low=a.clip_ratio_low if a.clip_ratio_low is not None else a.clip_ratio,
+        clip_ratio_high=a.clip_ratio_high if a.clip_ratio_high is not None else a.clip_ratio,
+        clip_ratio_c=a.clip_ratio_c, loss_agg_mode=a.loss_agg_mode, entropy_coeff=a.entropy_coeff,
+        use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type,
+    )
+
+
+def actor_rollout_ref_spec(cfg: BallastConfig, sizes: DerivedSizes, total_steps: int) -> ActorRolloutRefSpec:
+    arr = cfg.actor_rollout_ref
+    actor = arr.actor
+    temperature = arr.rollout.temperature if arr.rollout.do_sample else 1.0
+    actor_engine = _engine(cfg, "actor", arr.model, sizes.actor.sp_size, actor.grad_clip,
+                           engine_optim(actor.optim, total_steps), actor.fsdp_config)
+    train = TrainLoopSpec(
+        mini_batch_samples_per_rank=sizes.actor.mini_batch_samples_per_rank, ppo_epochs=actor.ppo_epochs,
+        shuffle=actor.shuffle, seed=cfg.trainer.seed, micro=micro_spec(sizes.actor.train),
+        loss_fn=functools.partial(actor_loss, cfg=actor_loss_config(cfg)), temperature=temperature,
+        calculate_entropy=actor.entropy_coeff > 0,
+        grad_clip_min_batch_size=actor.grad_clip_min_batch_size if actor.grad_clip_adaptive else None,
+    )
+    ref_engine = ref_infer = None
+    if sizes.ref is not None:
+        ref_engine = _engine(cfg, "ref", arr.model, sizes.ref.sp_size, None, EngineOptim(lr=0.0), arr.ref.fsdp_config)
+        ref_infer = micro_spec(sizes.ref.infer)
+    _, val_sampling = sampling_configs(cfg)
+    return ActorRolloutRefSpec(
+        actor=actor_engine, actor_train=train, actor_infer=micro_spec(sizes.actor.infer), rollout=rollout_config(cfg),
+        rollout_val_sampling=val_sampling, ref=ref_engine, ref_infer=ref_infer, temperature=temperature,
+        seed=cfg.trainer.seed, dist_timeout_s=cfg.trainer.worker_timeout_s,
+    )
+
+
+def critic_spec(cfg: BallastConfig, sizes: DerivedSizes, total_steps: int) -> CriticSpec:
+    c = cfg.critic
+    engine = _engine(cfg, "critic", c.model, sizes.critic.sp_size, c.grad_clip, engine_optim(c.optim, total_steps),
+                     c.fsdp_config)
+    loss = functools.partial(critic_loss, cfg=CriticLossConfig(cliprange_value=c.cliprange_value,
+                                                               loss_agg_mode=c.loss_agg_mode))
+    train = TrainLoopSpec(
+        mini_batch_samples_per_rank=sizes.critic.mini_batch_samples_per_rank, ppo_epochs=c.ppo_epochs,
+        shuffle=c.shuffle, seed=cfg.trainer.seed, micro=micro_spec(sizes.critic.train), loss_fn=loss,
+    )
+    return CriticSpec(critic=engine, train=train, infer=micro_spec(sizes.critic.infer), seed=cfg.trainer.seed,
+                      dist_timeout_s=cfg.trainer.worker_timeout_s)

@@ -1,0 +1,66 @@
+"""The driver's data: training prompts as Batches with a uid per prompt, and the validation set."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from ballast.data import PromptCollator, RLDataset, StatefulDataLoader
+from ballast.protocol import Batch
+from ballast.trainer.config import BallastConfig
+
+TENSOR_KEYS = ("input_ids", "attention_mask", "position_ids")
+
+
+def collated_to_batch(collated: dict, uid_prefix: str) -> Batch:
+    tensors = {k: collated[k] for k in TENSOR_KEYS}
+    non_tensors = {k: v for k, v in collated.items() if k not in TENSOR_KEYS}
+    # Deterministic uids: a resumed run names its prompts exactly like an uninterrupted one.
+    non_tensors["uid"] = np.array([f"{uid_prefix}-{i}" for i in range(len(collated["input_ids"]))], dtype=object)
+    return Batch(tensors, non_tensors)
+
+
+class RunData:
+    def __init__(self, cfg: BallastConfig, tokenizer) -> None:
+        d = cfg.data
+        truncation = "filter" if d.filter_overlong_prompts else d.truncation
+        self.collate = PromptCollator(tokenizer.pad_token_id)
+        self.train_set = RLDataset(d.train_files, tokenizer, max_prompt_length=d.max_prompt_length,
+                                   truncation=truncation, prompt_key=d.prompt_key)
+        self.loader = StatefulDataLoader(
+            self.train_set, d.train_batch_size, shuffle=d.shuffle, seed=d.seed, drop_last=True,
+            collate_fn=self.collate, num_workers=d.dataloader_num_workers,
+            prefetch_factor=d.prefetch_factor if d.dataloader_num_workers > 0 else None,
+            persistent_workers=d.persistent_workers,
+        )
+        t = cfg.trainer
+        per_epoch = len(self.loader)
+        self.total_steps = t.total_training_steps or t.total_epochs * per_epoch
+        self.val: Optional[Batch] = None
+        if d.val_files:
+            val_set = RLDataset(d.val_files, tokenizer, max_prompt_length=d.max_prompt_length,
+                                truncation=truncation, prompt_key=d.prompt_key)
+            self.val = collated_to_batch(self.collate([val_set[i] for i in range(len(val_set))]), "val")
+        self.val_batch_size = d.val_batch_size
+        self._iter = None
+
+    @property
+    def epoch(self) -> int:
+        return self.loader.epoch
+
+    def next_prompts(self, step: int) -> Batch:
+        while True:
+            if self._iter is None:
+                self._iter = iter(self.loader)
+            try:
+                return collated_to_batch(next(self._iter), f"step{step}")
+            except StopIteration:
+                self._iter = None
+
+    def state_dict(self) -> dict:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loader.load_state_dict(state)
+        self._iter = None

@@ -1,0 +1,243 @@
+"""The driver: `RayPPOTrainer.fit()` runs GRPO / PPO steps, one method per phase of the algorithm.
+
+    prompts -> repeat(n, interleave) with a uid per prompt -> generate -> reward -> balance_batch
+    -> old log-probs -> ref log-probs -> values -> advantages -> update critic -> update actor
+
+Workers do the heavy lifting; everything here is light driver-side math on the Batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from typing import Dict, Optional
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from ballast.balance import FlopsModel, balance_batch
+from ballast.protocol import Batch
+from ballast.trainer.algorithms import get_adv_estimator, kl_penalty, make_kl_controller, masked_mean
+from ballast.trainer.charts import per_rank_tokens, save_balance_chart
+from ballast.trainer.checkpointing import CheckpointManager, rng_state, set_rng_state
+from ballast.trainer.config import BallastConfig, DerivedSizes
+from ballast.trainer.data_setup import RunData
+from ballast.trainer.metrics import data_metrics, throughput_metrics
+from ballast.trainer.reward import RewardManager
+from ballast.trainer.roles import Workers
+from ballast.trainer.tracking import Tracker
+
+VALIDATION_CALL_OFFSET = 1 << 30  # rollout call indices of validation passes never meet training ones
+
+
+class NonFiniteStepsError(RuntimeError):
+    """Too many optimizer steps in a row had a non-finite gradient norm."""
+
+
+class RayPPOTrainer:
+    def __init__(self, cfg: BallastConfig, sizes: DerivedSizes, data: RunData, workers: Workers,
+                 reward: RewardManager, tracker: Tracker, model_config: dict) -> None:
+        self.cfg, self.sizes, self.data, self.workers = cfg, sizes, data, workers
+        self.reward, self.tracker = reward, tracker
+        self.ckpt = CheckpointManager(cfg.trainer.default_local_dir, cfg.trainer.max_actor_ckpt_to_keep)
+        kl = cfg.algorithm.kl_ctrl
+        self.kl_ctrl = make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
+        workload = cfg.trainer.balance_workload
+        self.workload = FlopsModel.from_hf_config(model_config) if workload == "flops" else workload
+        self.total_steps = data.total_steps
+        self.global_step = 0
+        self._nonfinite_in_a_row = 0
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> Dict[str, float]:
+        self.resume()
+        t = self.cfg.trainer
+        last: Dict[str, float] = {}
+        if t.val_before_train and self.data.val is not None and self.global_step == 0:
+            self.tracker.log(self.validate(), step=0)
+        bar = tqdm(total=self.total_steps, initial=self.global_step, desc="training", unit="step", dynamic_ncols=True)
+        while self.global_step < self.total_steps:
+            step = self.global_step + 1
+            prompts = self.data.next_prompts(step)
+            metrics = self.train_step(prompts, step)
+            self.global_step = step
+            if self.data.val is not None and t.test_freq > 0 and (step % t.test_freq == 0 or step == self.total_steps):
+                metrics.update(self.validate())
+            if t.save_freq > 0 and (step % t.save_freq == 0 or step == self.total_steps):
+                self.save_checkpoint()
+            self.tracker.log(metrics, step=step)
+            bar.update(1)
+            bar.set_postfix({k.split("/")[-2] if k.endswith("mean") else k.split("/")[-1]: f"{metrics[k]:.3f}"
+                             for k in ("critic/score/mean", "actor/pg_loss") if k in metrics})
+            last = metrics
+        bar.close()
+        return last
+
+    def train_step(self, prompts: Batch, step: int) -> Dict[str, float]:
+        timing: Dict[str, float] = {}
+        metrics: Dict[str, float] = {}
+        with _timer(timing, "step"):
+            with _timer(timing, "gen"):
+                batch = self.generate(prompts, step)
+            with _timer(timing, "reward"):
+                metrics.update(self.compute_reward(batch))
+            with _timer(timing, "balance"):
+                metrics.update(self.balance(batch, step))
+            with _timer(timing, "old_log_prob"):
+                metrics.update(self.compute_old_log_probs(batch))
+            if self.sizes.use_reference:
+                with _timer(timing, "ref"):
+                    batch = batch.union(self.workers.actor_rollout.compute_ref_log_prob(batch))
+            if self.sizes.use_critic:
+                with _timer(timing, "values"):
+                    batch = batch.union(self.workers.critic.compute_values(batch))
+            with _timer(timing, "adv"):
+                metrics.update(self.compute_advantages(batch))
+            if self.sizes.use_critic:
+                with _timer(timing, "update_critic"):
+                    metrics.update(self.workers.critic.update_critic(batch)[0])
+            if step > self.cfg.trainer.critic_warmup:
+                with _timer(timing, "update_actor"):
+                    metrics.update(self.update_actor(batch))
+        metrics.update(data_metrics(batch, self.cfg.data.max_response_length, self.sizes.use_critic))
+        metrics.update({f"timing_s/{k}": v for k, v in timing.items()})
+        metrics.update(throughput_metrics(batch, timing["step"], self.workers.world_size))
+        metrics["training/global_step"] = float(step)
+        metrics["training/epoch"] = float(self.data.epoch)
+        return metrics
+
+    # ------------------------------------------------------------------ phases
+    def generate(self, prompts: Batch, step: int) -> Batch:
+        """Repeat each prompt n times (adjacent, same uid) on the driver, then generate."""
+        batch = prompts.repeat(self.cfg.actor_rollout_ref.rollout.n, interleave=True)
+        batch.meta["rollout_call_index"] = step
+        out = self.workers.actor_rollout.generate_sequences(batch)
+        out.meta.pop("rollout_call_index", None)
+        return out
+
+    def compute_reward(self, batch: Batch) -> Dict[str, float]:
+        scores, extras = self.reward(batch)
+        batch["token_level_scores"] = scores
+        return {f"reward_extra/{k}/mean": float(v.mean()) for k, v in extras.items()}
+
+    def balance(self, batch: Batch, step: int) -> Dict[str, float]:
+        """Reorder so that the contiguous dp split gives every rank a similar workload (in place)."""
+        lengths = batch["attention_mask"].sum(-1).numpy()
+        dp = self.sizes.actor.dp_size
+        groups = batch["uid"] if self.cfg.trainer.balance_keep_groups else None
+        plan = balance_batch(lengths, dp, workload=self.workload, group_ids=groups)
+        if self.cfg.trainer.balance_batch:
+            batch.reorder(plan.order)
+            metrics = dict(plan.metrics)
+        else:  # report what balancing would have done, but keep the order
+            metrics = {k: v for k, v in plan.metrics.items() if "balanced" not in k}
+        if step == 1 or step % 10 == 0 or step == self.total_steps:
+            raw, balanced = per_rank_tokens(lengths, plan.partitions, dp)
+            if not self.cfg.trainer.balance_batch:
+                balanced = raw
+            path = os.path.join(self.tracker.run_dir, "charts", f"balance_step_{step}.png")
+            self.tracker.log_images({"balance/per_rank_tokens": save_balance_chart(path, raw, balanced, step)}, step)
+        return metrics
+
+    def compute_old_log_probs(self, batch: Batch) -> Dict[str, float]:
+        out = self.workers.actor_rollout.compute_log_prob(batch)
+        entropy = out.pop("entropy")["entropy"]
+        batch["old_log_probs"] = out["old_log_probs"]
+        return {"actor/entropy": float(masked_mean(entropy, batch["response_mask"]))}
+
+    def compute_advantages(self, batch: Batch) -> Dict[str, float]:
+        alg = self.cfg.algorithm
+        metrics: Dict[str, float] = {}
+        mask = batch["response_mask"].float()
+        rewards = batch["token_level_scores"]
+        if alg.use_kl_in_reward:
+            kld = kl_penalty(batch["old_log_probs"], batch["ref_log_prob"], alg.kl_penalty) * mask
+            rewards = rewards - self.kl_ctrl.value * kld
+            current_kl = float(masked_mean(masked_mean(kld, mask, dim=-1), torch.ones(len(batch))))
+            self.kl_ctrl.update(current_kl, n_steps=len(batch))
+            metrics.update({"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": self.kl_ctrl.value})
+        batch["token_level_rewards"] = rewards
+        adv, returns = get_adv_estimator(alg.adv_estimator)(
+            token_level_rewards=rewards, response_mask=mask, index=batch["uid"],
+            values=batch["values"] if "values" in batch else None, gamma=alg.gamma, lam=alg.lam,
+            norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
+        )
+        batch["advantages"], batch["returns"] = adv, returns
+        return metrics
+
+    def update_actor(self, batch: Batch) -> Dict[str, float]:
+        metrics = self.workers.actor_rollout.update_actor(batch)[0]
+        if metrics.get("actor/step_skipped", 0.0) >= 1.0:
+            self._nonfinite_in_a_row += 1
+            limit = self.cfg.trainer.max_consecutive_nonfinite_steps
+            if self._nonfinite_in_a_row >= limit:
+                raise NonFiniteStepsError(
+                    f"{self._nonfinite_in_a_row} actor updates in a row had a non-finite gradient norm and were "
+                    f"skipped (trainer.max_consecutive_nonfinite_steps={limit}); check the learning rate and data"
+                )
+        else:
+            self._nonfinite_in_a_row = 0
+        metrics["perf/num_micro_batches"] = metrics.pop("actor/num_micro_batches", float("nan"))
+        return metrics
+
+    def validate(self) -> Dict[str, float]:
+        """Greedy generation on the whole validation set; mean score per data_source."""
+        val = self.data.val
+        outputs = []
+        for i, chunk in enumerate(val.split(self.data.val_batch_size or len(val))):
+            chunk.meta.update(validate=True, rollout_call_index=VALIDATION_CALL_OFFSET + self.global_step * 1024 + i)
+            outputs.append(self.workers.actor_rollout.generate_sequences(chunk))
+        out = Batch.concat(outputs) if len(outputs) > 1 else outputs[0]
+        scores, _ = self.reward(out)
+        per_sample = scores.sum(-1).numpy()
+        sources = np.asarray(out["data_source"]).astype(str)
+        metrics = {f"val/score/{src}": float(per_sample[sources == src].mean()) for src in np.unique(sources)}
+        metrics["val/score/mean"] = float(per_sample.mean())
+        metrics["val/response_length/mean"] = float(out["response_mask"].sum(-1).float().mean())
+        return metrics
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> str:
+        def save_workers(path: str) -> None:
+            self.workers.actor_rollout.save_checkpoint(path)
+            if self.workers.critic is not None:
+                self.workers.critic.save_checkpoint(path)
+
+        state = {"dataloader": self.data.state_dict(), "kl_coef": self.kl_ctrl.value, "rng": rng_state(),
+                 "nonfinite_in_a_row": self._nonfinite_in_a_row}
+        return self.ckpt.save(self.global_step, save_workers, state)
+
+    def resume(self) -> Optional[str]:
+        t = self.cfg.trainer
+        if t.resume_mode == "disable":
+            return None
+        if t.resume_mode == "auto":
+            path = self.ckpt.latest()
+        elif t.resume_mode == "resume_path":
+            path = t.resume_from_path
+        else:
+            path = t.resume_mode
+        if path is None:
+            return None
+        state = CheckpointManager.read_state(path)
+        self.workers.actor_rollout.load_checkpoint(path)
+        if self.workers.critic is not None:
+            self.workers.critic.load_checkpoint(path)
+        self.global_step = int(state["global_step"])
+        self.data.load_state_dict(state["dataloader"])
+        self.kl_ctrl.value = float(state["kl_coef"])
+        self._nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
+        set_rng_state(state["rng"])
+        print(f"ballast: resumed from {path} at step {self.global_step}")
+        return path
+
+
+@contextlib.contextmanager
+def _timer(timing: Dict[str, float], name: str):
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        timing[name] = time.perf_counter() - start

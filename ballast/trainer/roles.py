@@ -1,0 +1,77 @@
+"""Creating the worker groups of a run: one resource pool, the colocated actor/rollout/ref group and,
+for PPO, a critic group sharing the same devices."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from ballast.single_controller import RayWorkerGroup, ResourcePool
+from ballast.trainer.builders import actor_rollout_ref_spec, critic_spec
+from ballast.trainer.config import BallastConfig, DerivedSizes
+from ballast.workers.actor_rollout_ref import ActorRolloutRefWorker
+from ballast.workers.critic import CriticWorker
+
+# Passed to every worker process: in-process vLLM engines, caches inside the run, no telemetry.
+WORKER_ENV_DEFAULTS = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_NO_USAGE_STATS": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+}
+FORWARDED_ENV = ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "BALLAST_CACHE_DIR", "HF_HOME", "TMPDIR")
+
+
+def worker_env() -> dict:
+    env = dict(WORKER_ENV_DEFAULTS)
+    env.update({k: os.environ[k] for k in list(WORKER_ENV_DEFAULTS) + list(FORWARDED_ENV) if k in os.environ})
+    return env
+
+
+@dataclass
+class Workers:
+    pool: ResourcePool
+    actor_rollout: RayWorkerGroup
+    critic: Optional[RayWorkerGroup]
+
+    @property
+    def world_size(self) -> int:
+        return self.actor_rollout.world_size
+
+    def shutdown(self) -> None:
+        for group in (self.critic, self.actor_rollout):
+            if group is not None:
+                group.kill()
+        self.pool.remove()
+
+
+def create_workers(cfg: BallastConfig, sizes: DerivedSizes, total_steps: int) -> Workers:
+    t = cfg.trainer
+    use_gpu = t.device == "cuda" or (t.device == "auto" and _cuda_available())
+    pool = ResourcePool([t.n_gpus_per_node] * t.nnodes, use_gpu=use_gpu, cpus_per_process=1.0,
+                        name=f"ballast_{os.getpid()}", ready_timeout_s=cfg.ray_init.timeout_s)
+    share = 0.5 if sizes.use_critic else 1.0
+    env = worker_env()
+    actor = RayWorkerGroup(pool, ActorRolloutRefWorker, init_args=(actor_rollout_ref_spec(cfg, sizes, total_steps),),
+                           name="actor_rollout_ref", device_share=share, env=env, timeout_s=t.worker_timeout_s)
+    critic = None
+    if sizes.use_critic:
+        critic = RayWorkerGroup(pool, CriticWorker, init_args=(critic_spec(cfg, sizes, total_steps),), name="critic",
+                                device_share=share, env=env, timeout_s=t.worker_timeout_s)
+    workers = Workers(pool, actor, critic)
+    # Each group forms its own torch.distributed world; initialise them one after the other.
+    actor.init_model()
+    if critic is not None:
+        critic.init_model()
+    return workers
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

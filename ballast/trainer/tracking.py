@@ -1,0 +1,107 @@
+"""Experiment tracking: console, wandb, tensorboard and a jsonl file, behind one `log(metrics, step)`.
+
+wandb runs offline automatically when no API key is configured (no WANDB_API_KEY and no netrc entry),
+so a run never blocks on a login prompt; the config is logged with anything that looks like a secret
+removed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import netrc
+import os
+import re
+from typing import Dict, Iterable, List, Optional
+
+_SECRET = re.compile(r"(key|token|secret|password|passwd|auth)", re.IGNORECASE)
+
+
+def redact(value):
+    """A copy of a nested config dict with secret-looking keys' values replaced."""
+    if isinstance(value, dict):
+        return {k: ("***" if _SECRET.search(str(k)) and v is not None else redact(v)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [redact(v) for v in value]
+    return value
+
+
+def _wandb_has_key() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        return netrc.netrc().authenticators("api.wandb.ai") is not None
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        return False
+
+
+class Tracker:
+    def __init__(self, loggers: Iterable[str], project: str, experiment: str, run_dir: str,
+                 config: Optional[dict] = None, console=print) -> None:
+        self.loggers = list(loggers)
+        self.run_dir = run_dir
+        self._console = console
+        self._wandb = self._tb = self._jsonl = None
+        os.makedirs(run_dir, exist_ok=True)
+        safe_config = redact(config or {})
+        if "wandb" in self.loggers:
+            import wandb
+
+            mode = os.environ.get("WANDB_MODE") or ("online" if _wandb_has_key() else "offline")
+            self._wandb = wandb.init(project=project, name=experiment, config=safe_config, dir=run_dir, mode=mode)
+        if "tensorboard" in self.loggers:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=os.path.join(run_dir, "tensorboard"))
+        if "jsonl" in self.loggers:
+            self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)
+        with open(os.path.join(run_dir, "config.json"), "w") as f:
+            json.dump(safe_config, f, indent=2, default=str)
+
+    def log(self, metrics: Dict[str, float], step: int) -> None:
+        clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps({"step": step, **{k: (v if math.isfinite(v) else str(v))
+                                                            for k, v in clean.items()}}) + "\n")
+        if self._wandb is not None:
+            self._wandb.log(clean, step=step)
+        if self._tb is not None:
+            for key, value in clean.items():
+                self._tb.add_scalar(key, value, step)
+        if "console" in self.loggers:
+            self._console(format_console(clean, step))
+
+    def log_images(self, images: Dict[str, str], step: int) -> None:
+        """PNG files (already saved in the run directory) as wandb/tensorboard images."""
+        if self._wandb is not None:
+            import wandb
+
+            self._wandb.log({k: wandb.Image(path) for k, path in images.items()}, step=step)
+        if self._tb is not None:
+            import numpy as np
+            from PIL import Image
+
+            for key, path in images.items():
+                self._tb.add_image(key, np.asarray(Image.open(path).convert("RGB")), step, dataformats="HWC")
+
+    def finish(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+CONSOLE_KEYS: List[str] = [
+    "critic/score/mean", "val/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "critic/vf_loss",
+    "response_length/mean", "global_seqlen/balanced_imbalance", "perf/num_micro_batches", "timing_s/step",
+]
+
+
+def format_console(metrics: Dict[str, float], step: int) -> str:
+    parts = [f"step {step}"]
+    for key in CONSOLE_KEYS:
+        if key in metrics:
+            parts.append(f"{key}={metrics[key]:.4g}")
+    return " | ".join(parts)
