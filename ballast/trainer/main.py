@@ -79,8 +79,10 @@ def run(cfg: BallastConfig, sizes, raw_config: dict) -> dict:
                                        cfg.data.reward_fn_key)
     start_ray(cfg)
     workers = None
+    from tqdm import tqdm
+
     tracker = Tracker(cfg.trainer.logger, cfg.trainer.project_name, cfg.trainer.experiment_name,
-                      cfg.trainer.default_local_dir, config=raw_config)
+                      cfg.trainer.default_local_dir, config=raw_config, console=tqdm.write)
     try:
         print("ballast: derived sizes\n  " + "\n  ".join(sizes.summary()), flush=True)
         workers = create_workers(cfg, sizes, data.total_steps)
