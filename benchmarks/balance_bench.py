@@ -6,33 +6,44 @@ Each case is a seeded length distribution (prompt + response tokens per sample),
 (N samples, dp ranks, per-micro-batch token budget) and a model shape whose forward FLOPs are the
 cost of a sample (``FlopsModel``: linear terms + causal attention; Qwen2.5-0.5B and Qwen2.5-7B
 config numbers, no download). The whole step is treated as one mini-batch (the compute_log_prob
-path: every rank micro-batches all of its samples).
+path: every rank micro-batches all of its samples). Distributions (lengths capped at the budget):
+uniform 256..8192; log-normal: prompt 64..1024 + response with median 1024 and sigma 1, truncated
+at max_response_length = budget/2 - 1024; bimodal: 60% ~N(700, 200), 40% ~N(7000, 2000);
+long-context: log-normal with median 8192, sigma 0.6, within 1024..min(32768, budget).
+``--stress`` adds the log-normal cut only at the budget (rare samples that fill a micro-batch
+alone); those cases are reported but not held to the targets.
 
-Pipelines (both start from the per-sample lengths; ``seconds`` is their wall time):
+Pipelines (all start from the per-sample lengths; ``seconds`` is their wall time):
 
 * ours: ``balance_batch(lengths, dp, workload=flops)`` (equal-count DP partition) then
-  ``plan_joint_micro_batches(lengths_per_rank, budget, workload=flops)``.
+  ``plan_joint_micro_batches(lengths_per_rank, budget, workload=flops)`` (central plan).
+* ours_per_rank (JSON and the second table only): the same DP partition, then the engine's path:
+  count = max over ranks of ``min_micro_batches`` (the all-reduce MAX), then every rank calls
+  ``plan_dynamic_micro_batches(lengths_r, budget, count, workload=flops)`` on its own.
 * verl: ``_balance_batch``'s steps: ``calculate_workload`` (24576*L + L^2) then
   ``get_seqlen_balanced_partitions(..., k=dp, equal_size=True)`` and its per-partition reorder;
-  then, per rank, ``rearrange_micro_batches``' steps with the count all-reduced by MAX, emulated:
+  then ``rearrange_micro_batches``' steps on every rank with its DP all-reduces emulated:
   count = max over ranks of min(n_r, ceil(tokens_r / budget)); every rank calls
   ``get_seqlen_balanced_partitions(workloads_r, count, equal_size=False)``; if any rank breaks the
   budget the count grows by one on all ranks (its all-reduce MIN of "within limit"); then its
   ordering (sort by workload, descending, then alternate ends). verl's functions get Python lists
-  (their fastest input). ``--check-emulation`` (on by default) first checks that this emulation
-  with one rank returns exactly what verl's own ``rearrange_micro_batches`` returns.
+  (their fastest input). Before the cases, the emulation run with one rank is checked to return
+  exactly what verl's own ``rearrange_micro_batches`` returns (skip with ``--no-check-emulation``).
 
-Metrics, identical for both systems (``cost`` = FLOPs of the case's model, summed over samples):
+Metrics, computed by one function for every system (``cost`` = FLOPs of the case's model, one
+sample's cost = ``FlopsModel(L)``, a micro-batch's cost = the sum over its samples):
 
 * ``dp_imbalance``: max over ranks of the rank's cost / mean rank cost.
 * ``lockstep_over_lower_bound``: ``sum_j max_r cost(micro-batch j of rank r)`` (ranks advance
   through micro-batches together under FSDP; no fixed per-step cost) divided by the lower bound
-  ``total cost / dp`` (perfect balance, free splitting).
-* ``num_micro_batches``: micro-batches per rank (equal on all ranks, checked).
+  ``total cost / dp`` (perfect balance with free splitting; not always attainable).
+* ``num_micro_batches``: micro-batches per rank (checked equal on all ranks).
 * ``max_micro_tokens_over_budget``: the largest micro-batch's token sum / budget.
-* ``seconds``: wall time of the planning pipeline above.
+* ``seconds``: wall time of the planning pipeline; the systems run alternately up to ``--repeat``
+  times each (fewer once one has used 2 s) and the fastest run is kept.
 
-Usage: ``python benchmarks/balance_bench.py [--json PATH] [--quick] [--repeat R]``.
+Usage: ``python benchmarks/balance_bench.py [--json PATH] [--quick] [--stress] [--repeat R]``.
+Prints markdown tables and whether the targets of issue 3 are met; exits 0 either way.
 """
 
 from __future__ import annotations
@@ -46,7 +57,15 @@ import time
 import numpy as np
 import torch  # verl's functions take and return torch tensors
 
-from ballast.balance import FlopsModel, balance_batch, lockstep_cost, plan_joint_micro_batches, workload_costs
+from ballast.balance import (
+    FlopsModel,
+    balance_batch,
+    lockstep_cost,
+    min_micro_batches,
+    plan_dynamic_micro_batches,
+    plan_joint_micro_batches,
+    workload_costs,
+)
 
 MODELS = {
     # Numbers from the public config.json files of Qwen/Qwen2.5-0.5B and Qwen/Qwen2.5-7B.
@@ -116,6 +135,15 @@ def plan_ours(tokens: np.ndarray, dp: int, budget: int, model: FlopsModel) -> li
     return [[part[mb] for mb in rank] for part, rank in zip(dp_plan.partitions, joint)]
 
 
+def plan_ours_per_rank(tokens: np.ndarray, dp: int, budget: int, model: FlopsModel) -> list[list[np.ndarray]]:
+    """The engine's path: each rank plans alone with the count all-reduced by MAX (no joint refinement)."""
+    dp_plan = balance_batch(tokens, dp, workload=model)
+    per_rank = [tokens[p] for p in dp_plan.partitions]
+    count = max(min_micro_batches(lengths, budget) for lengths in per_rank)  # the all-reduce MAX
+    plans = [plan_dynamic_micro_batches(lengths, budget, count, workload=model) for lengths in per_rank]
+    return [[part[mb] for mb in rank] for part, rank in zip(dp_plan.partitions, plans)]
+
+
 def _verl_micro_batches(lens_per_rank: list[list[int]], budget: int, sb) -> list[list[list[int]]]:
     """verl's rearrange_micro_batches on every rank with the DP all-reduces emulated."""
     workloads = [sb.calculate_workload(torch.tensor(lens, dtype=torch.int64)).tolist() for lens in lens_per_rank]
@@ -168,17 +196,26 @@ def check_emulation(sb) -> None:
 
 
 def run_case(name: str, tokens: np.ndarray, dp: int, budget: int, model: FlopsModel, sb, repeat: int) -> dict:
-    """Both pipelines on one case; each timed up to ``repeat`` times (fewer once it has run 2 s), fastest kept."""
+    """Both pipelines on one case, alternating so both see the same machine load; each is timed up
+    to ``repeat`` times (no more once it has used 2 s) and its fastest run is kept."""
     costs = workload_costs(tokens, model)
-    out = {"name": name}
-    for system, planner in (("ours", lambda: plan_ours(tokens, dp, budget, model)),
-                            ("verl", lambda: plan_verl(tokens, dp, budget, sb))):
-        times = []
-        while len(times) < repeat and sum(times) < 2.0:
+    planners = {
+        "ours": lambda: plan_ours(tokens, dp, budget, model),
+        "verl": lambda: plan_verl(tokens, dp, budget, sb),
+        "ours_per_rank": lambda: plan_ours_per_rank(tokens, dp, budget, model),
+    }
+    times: dict[str, list[float]] = {system: [] for system in planners}
+    plans = {}
+    for _ in range(repeat):
+        for system, planner in planners.items():
+            if times[system] and sum(times[system]) >= 2.0:
+                continue
             t0 = time.perf_counter()
-            plan = planner()
-            times.append(time.perf_counter() - t0)
-        out[system] = {**evaluate(plan, tokens, costs, budget), "seconds": min(times)}
+            plans[system] = planner()
+            times[system].append(time.perf_counter() - t0)
+    out = {"name": name}
+    for system, plan in plans.items():
+        out[system] = {**evaluate(plan, tokens, costs, budget), "seconds": min(times[system])}
     return out
 
 
@@ -204,6 +241,15 @@ def print_table(cases: list[dict]) -> None:
         for key, _, fmt in cols:
             cells += [fmt.format(case["ours"][key]), fmt.format(case["verl"][key])]
         print("| " + " | ".join(cells) + " |")
+
+
+def print_paths_table(cases: list[dict]) -> None:
+    print("| case | lockstep/LB ours joint | lockstep/LB ours per-rank | lockstep/LB verl | mb ours | mb verl |")
+    print("|---|---|---|---|---|---|")
+    for c in cases:
+        print(f"| {c['name']} | {c['ours']['lockstep_over_lower_bound']:.4f} | "
+              f"{c['ours_per_rank']['lockstep_over_lower_bound']:.4f} | {c['verl']['lockstep_over_lower_bound']:.4f} | "
+              f"{c['ours']['num_micro_batches']} | {c['verl']['num_micro_batches']} |")
 
 
 def check_targets(cases: list[dict]) -> list[str]:
@@ -250,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     print_table(cases)
+    print("\njoint plan vs the per-rank (engine) path, lockstep cost / lower bound:")
+    print_paths_table(cases)
     if stress:
         print("\nstress cases (informational, not held to the targets):")
         print_table(stress)

@@ -6,11 +6,11 @@
 * DP balance: :func:`balance_batch` -> :class:`BalancePlan` (order, partitions, verl-named metrics);
 * micro-batches: :func:`plan_static_micro_batches`, :func:`min_micro_batches`,
   :func:`plan_dynamic_micro_batches`, :func:`plan_joint_micro_batches`, :func:`inverse_permutation`;
-* the lockstep cost model of FSDP micro-steps: :func:`lockstep_cost`.
+* the lockstep cost model of FSDP micro-steps: :func:`lockstep_cost`, :func:`refine_lockstep`.
 """
 
 from .dp_balance import BalancePlan, balance_batch, balance_metrics
-from .joint import lockstep_cost, plan_joint_micro_batches
+from .joint import lockstep_cost, plan_joint_micro_batches, refine_lockstep
 from .micro_batch import (
     inverse_permutation,
     min_micro_batches,
@@ -37,6 +37,7 @@ __all__ = [
     "plan_dynamic_micro_batches",
     "plan_joint_micro_batches",
     "plan_static_micro_batches",
+    "refine_lockstep",
     "refine_partition",
     "validate_partition",
     "workload_costs",

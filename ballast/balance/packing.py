@@ -2,9 +2,10 @@
 
 Internal building blocks of the micro-batch planners: a feasibility search that finds the fewest
 bins this module can fill under the cap (:func:`feasible_packing`), and a balancer that, for a
-given bin count, tries several cap-respecting starting points, refines each by cost and keeps the
-best (:func:`balanced_capped_bins`). A fallback that splits the bins of a feasible packing makes the
-balancer succeed for every count between the feasible count and the number of samples.
+given bin count, builds a cap-respecting start and refines it by cost (:func:`balanced_capped_bins`).
+Its fallback start, the bins of a feasible packing split until the count is reached, makes the
+balancer succeed for every count between the feasible count and the number of samples: splitting a
+bin never adds tokens to any bin.
 """
 
 from __future__ import annotations

@@ -4,8 +4,10 @@ Each accepted exchange (a swap of one item each way, or, when sizes may change, 
 of the heaviest partition) moves a weight ``delta`` with ``0 < delta < gap`` between the heaviest
 partition ``H`` and a lighter one ``P`` (``gap = sum(H) - sum(P)``), so both new sums stay strictly
 below the old ``sum(H)``: the maximum never increases, and the sum of squared partition sums strictly
-decreases, so the search terminates. Among the valid exchanges the one closest to ``gap / 2`` is
-taken. An optional second quantity (tokens) may be held under a cap by every exchange.
+decreases, so the search terminates. The exchange taken is the one with the lowest new
+``max(sum(H), sum(P))`` (a moved weight closest to ``gap / 2``): over all partners at once for small
+inputs, from the lightest partner up for large ones. An optional second quantity (tokens) may be
+held under a cap by every exchange.
 """
 
 from __future__ import annotations
@@ -20,28 +22,29 @@ from .partition import _as_weights, validate_partition
 # no token cap the nearest two are optimal; the wider window finds cap-respecting alternatives.
 _WINDOW = 4
 _OFFSETS = np.arange(-_WINDOW, _WINDOW)
+# Up to this many (item of H) x (other item) pairs, all partners are searched at once.
+_DENSE_LIMIT = 32_768
 
 
 def _best_exchange(
     w: np.ndarray,
     tok: np.ndarray | None,
-    part_h: list[int],
-    part_p: list[int],
+    idx_h: np.ndarray,
+    idx_p: np.ndarray,
     gap: float,
     room_h: float,
     room_p: float,
     allow_move: bool,
     eps: float,
 ) -> tuple[float, int, int] | None:
-    """Best (score, i, j) exchange from H to P; j == -1 means move i from H to P.
+    """Best (score, i, j) exchange from H to one lighter P; j == -1 means move i from H to P.
 
-    ``room_*`` is the token slack of each side (``inf`` without a cap).
+    Score: distance of the moved weight from ``gap / 2``. ``room_*``: token slack of each side.
     """
     target = gap / 2.0
-    idx_h = np.asarray(part_h, dtype=np.int64)
     w_h = w[idx_h]
     best: tuple[float, int, int] | None = None
-    if allow_move and len(part_h) > 1:
+    if allow_move and len(idx_h) > 1:
         ok = (w_h > eps) & (w_h < gap - eps)
         if tok is not None:
             ok &= tok[idx_h] <= room_p
@@ -49,8 +52,7 @@ def _best_exchange(
             score = np.where(ok, np.abs(w_h - target), np.inf)
             a = int(np.argmin(score))
             best = (float(score[a]), int(idx_h[a]), -1)
-    if part_p:
-        idx_p = np.asarray(part_p, dtype=np.int64)
+    if len(idx_p):
         idx_p = idx_p[np.argsort(w[idx_p], kind="stable")]
         w_p = w[idx_p]
         pos = np.searchsorted(w_p, w_h - target)[:, None] + _OFFSETS[None, :]
@@ -63,11 +65,77 @@ def _best_exchange(
             ok &= (dt <= room_p) & (-dt <= room_h)
         if ok.any():
             score = np.where(ok, np.abs(delta - target), np.inf)
-            flat = int(np.argmin(score))
-            a, b = divmod(flat, score.shape[1])
+            a, b = divmod(int(np.argmin(score)), score.shape[1])
             if best is None or score[a, b] < best[0]:
                 best = (float(score[a, b]), int(idx_h[a]), int(cand[a, b]))
     return best
+
+
+def _best_exchange_dense(
+    w: np.ndarray,
+    tok: np.ndarray | None,
+    bin_of: np.ndarray,
+    h: int,
+    sums: np.ndarray,
+    room: np.ndarray,
+    allow_move: bool,
+    eps: float,
+) -> tuple[int, int, int] | None:
+    """Over every partner at once (small inputs): the exchange with the lowest resulting
+    ``max(sum(H), sum(P))``, as (partner, i, j) with j == -1 for a move."""
+    idx_h = np.flatnonzero(bin_of == h)
+    idx_o = np.flatnonzero(bin_of != h)
+    top = sums[h]
+    best_score, best = np.inf, None
+    if allow_move and len(idx_h) > 1:
+        delta = w[idx_h][:, None]
+        gap = (top - sums)[None, :]
+        ok = (delta > eps) & (delta < gap - eps)
+        ok[:, h] = False
+        if tok is not None:
+            ok &= tok[idx_h][:, None] <= room[None, :]
+        if ok.any():
+            score = np.where(ok, np.maximum(top - delta, sums[None, :] + delta), np.inf)
+            a, p = divmod(int(np.argmin(score)), score.shape[1])
+            best_score, best = score[a, p], (p, int(idx_h[a]), -1)
+    if len(idx_o):
+        dest = bin_of[idx_o]
+        delta = w[idx_h][:, None] - w[idx_o][None, :]
+        ok = (delta > eps) & (delta < (top - sums[dest])[None, :] - eps)
+        if tok is not None:
+            dt = tok[idx_h][:, None] - tok[idx_o][None, :]
+            ok &= (dt <= room[dest][None, :]) & (-dt <= room[h])
+        if ok.any():
+            score = np.where(ok, np.maximum(top - delta, sums[dest][None, :] + delta), np.inf)
+            a, b = divmod(int(np.argmin(score)), score.shape[1])
+            if score[a, b] < best_score:
+                best = (int(dest[b]), int(idx_h[a]), int(idx_o[b]))
+    return best
+
+
+def _exchange_by_partner(
+    w: np.ndarray,
+    tok: np.ndarray | None,
+    bin_of: np.ndarray,
+    h: int,
+    sums: np.ndarray,
+    room: np.ndarray,
+    allow_move: bool,
+    eps: float,
+) -> tuple[int, int, int] | None:
+    """Large inputs: partners from the lightest up; the first with a valid exchange wins."""
+    idx_h = np.flatnonzero(bin_of == h)
+    for p in np.argsort(sums, kind="stable"):
+        p = int(p)
+        gap = float(sums[h] - sums[p])
+        if gap <= 2 * eps:
+            return None
+        if p == h:
+            continue
+        found = _best_exchange(w, tok, idx_h, np.flatnonzero(bin_of == p), gap, room[h], room[p], allow_move, eps)
+        if found is not None:
+            return p, found[1], found[2]
+    return None
 
 
 def refine_partition(
@@ -82,10 +150,12 @@ def refine_partition(
 
     ``keep_sizes=True`` allows only swaps (partition sizes unchanged); otherwise single moves out
     of the heaviest partition are allowed too, never leaving it empty. With ``tokens`` and
-    ``max_tokens`` no exchange takes a partition's token sum above ``max_tokens``.
+    ``max_tokens`` no exchange takes a partition's token sum above ``max_tokens`` (the input
+    partitions are expected to respect it).
     """
     w = _as_weights(weights)
     n = len(w)
+    k = len(partitions)
     validate_partition(partitions, n)
     tok = None
     if tokens is not None:
@@ -94,47 +164,35 @@ def refine_partition(
         tok = np.asarray(tokens, dtype=np.float64)
         if tok.shape != w.shape:
             raise ValueError(f"refine_partition: tokens shape {tok.shape} != weights shape {w.shape}")
-    parts = [[int(i) for i in p] for p in partitions]
-    k = len(parts)
-    sums = np.array([w[p].sum() if p else 0.0 for p in parts])
-    tok_sums = np.array([tok[p].sum() if p else 0.0 for p in parts]) if tok is not None else None
-    cap = float(max_tokens) if max_tokens is not None else np.inf
+    bin_of = np.empty(n, dtype=np.int64)
+    for p, part in enumerate(partitions):
+        bin_of[np.asarray(part, dtype=np.int64)] = p
+    sums = np.bincount(bin_of, weights=w, minlength=k).astype(np.float64)
+    if tok is not None:
+        room = float(max_tokens) - np.bincount(bin_of, weights=tok, minlength=k)
+    else:
+        room = np.full(k, np.inf)
     rounds = max_rounds if max_rounds is not None else 4 * n + 4 * k
-    for _ in range(rounds):
+    for _ in range(rounds if k > 1 else 0):
         h = int(np.argmax(sums))
         eps = 1e-12 * max(float(sums[h]), 1e-300)
-        exchange = None
-        for p in np.argsort(sums, kind="stable"):
-            p = int(p)
-            gap = float(sums[h] - sums[p])
-            if gap <= 2 * eps:
-                break
-            if p == h:
-                continue
-            room_h = cap - tok_sums[h] if tok_sums is not None else np.inf
-            room_p = cap - tok_sums[p] if tok_sums is not None else np.inf
-            found = _best_exchange(w, tok, parts[h], parts[p], gap, room_h, room_p, not keep_sizes, eps)
-            if found is not None:
-                exchange = (p, found[1], found[2])
-                break
-        if exchange is None:
+        size_h = int(np.count_nonzero(bin_of == h))
+        search = _best_exchange_dense if size_h * (n - size_h) <= _DENSE_LIMIT else _exchange_by_partner
+        found = search(w, tok, bin_of, h, sums, room, not keep_sizes, eps)
+        if found is None:
             break
-        p, i, j = exchange
-        parts[h].remove(i)
-        parts[p].append(i)
-        sums[h] -= w[i]
-        sums[p] += w[i]
-        if tok_sums is not None:
-            tok_sums[h] -= tok[i]
-            tok_sums[p] += tok[i]
-        if j >= 0:
-            parts[p].remove(j)
-            parts[h].append(j)
-            sums[p] -= w[j]
-            sums[h] += w[j]
-            if tok_sums is not None:
-                tok_sums[p] -= tok[j]
-                tok_sums[h] += tok[j]
-    out = [sorted(p) for p in parts]
+        p, i, j = found
+        for item, src, dst in ((i, h, p), (j, p, h)):
+            if item < 0:
+                continue
+            bin_of[item] = dst
+            sums[src] -= w[item]
+            sums[dst] += w[item]
+            if tok is not None:
+                room[src] += tok[item]
+                room[dst] -= tok[item]
+    order = np.argsort(bin_of, kind="stable")
+    bounds = np.searchsorted(bin_of[order], np.arange(k + 1))
+    out = [order[bounds[p] : bounds[p + 1]].tolist() for p in range(k)]
     validate_partition(out, n, k=k)
     return out
