@@ -94,6 +94,27 @@ def make_rl_batch(
     )
 
 
+def reference_log_probs(model, data: TensorDict, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, R) log-probs and entropies of the response tokens from a plain HF causal LM.
+
+    Independent of the engine: each sample runs alone without padding and the full-vocab
+    log_softmax is taken directly. Differentiable; padding slots are 0.
+    """
+    R = data["responses"].shape[1]
+    P = data["input_ids"].shape[1] - R
+    lp_rows, ent_rows = [], []
+    for b in range(data.batch_size[0]):
+        keep = data["attention_mask"][b].bool()
+        ids = data["input_ids"][b][keep][None]
+        p, r = int(keep[:P].sum()), int(keep[P:].sum())
+        logp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[0].float() / temperature, -1)
+        lp = logp[p - 1 : p - 1 + r].gather(-1, ids[0, p : p + r, None])[:, 0]
+        ent = -(logp.exp() * logp).sum(-1)[p - 1 : p - 1 + r]
+        lp_rows.append(torch.nn.functional.pad(lp, (0, R - r)))
+        ent_rows.append(torch.nn.functional.pad(ent, (0, R - r)))
+    return torch.stack(lp_rows), torch.stack(ent_rows)
+
+
 def _rank_entry(rank: int, world: int, store_path: str, fn: Callable, args: tuple, threads: int) -> None:
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
@@ -112,17 +133,27 @@ def _rank_entry(rank: int, world: int, store_path: str, fn: Callable, args: tupl
         dist.destroy_process_group()
 
 
-def spawn_ranks(fn: Callable, world_size: int, args: tuple = (), timeout_s: float = 300.0, threads: int = 1) -> None:
-    """Run `fn(rank, world_size, *args)` on `world_size` spawned CPU ranks with a gloo process group.
+def spawn_ranks(
+    fn: Callable,
+    world_size: int,
+    args: tuple = (),
+    timeout_s: float = 300.0,
+    threads: int = 1,
+    start_method: str = "spawn",
+) -> None:
+    """Run `fn(rank, world_size, *args)` on `world_size` CPU ranks with a gloo process group.
 
     Raises RuntimeError if any rank fails or if they have not all finished after `timeout_s` (the
-    stragglers are killed first). `fn` must be importable (a module-level function).
+    stragglers are killed first). With `start_method="spawn"`, `fn` must be importable (a
+    module-level function) and every rank imports torch/transformers afresh (~5-15 s on a busy
+    2-core box); `"fork"` reuses the parent's imports and is safe when the parent runs no threads of
+    its own (single-threaded torch, no process group, no CUDA).
     """
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         ctx = mp.start_processes(
             _rank_entry, args=(world_size, store, fn, args, threads), nprocs=world_size,
-            join=False, start_method="spawn",
+            join=False, start_method=start_method,
         )
         deadline = time.monotonic() + timeout_s
         try:
