@@ -28,12 +28,14 @@ def resolve_device_type(device: str) -> str:
 def init_distributed(device_type: str, timeout_s: float = 1800.0) -> None:
     """Initialise the default process group from torchrun's environment (once per process).
 
-    gloo on CPU, nccl on CUDA. Without torchrun variables a single-rank group is created in-process,
+    gloo on CPU; on CUDA nccl for device tensors plus gloo for host tensors (CPU offload keeps
+    sharded gradients and optimizer state in host memory, and the grad-norm reduction and DCP then
+    communicate host tensors). Without torchrun variables a single-rank group is created in-process,
     so the engine also runs as a plain `python` script.
     """
     if dist.is_initialized():
         return
-    backend = "nccl" if device_type == "cuda" else "gloo"
+    backend = "cuda:nccl,cpu:gloo" if device_type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if device_type == "cuda":

@@ -115,7 +115,9 @@ def reference_log_probs(model, data: TensorDict, temperature: float = 1.0) -> tu
     return torch.stack(lp_rows), torch.stack(ent_rows)
 
 
-def _rank_entry(rank: int, world: int, store_path: str, fn: Callable, args: tuple, threads: int) -> None:
+def _rank_entry(
+    rank: int, world: int, store_path: str, fn: Callable, args: tuple, threads: int, backend: str
+) -> None:
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
         OMP_NUM_THREADS=str(threads),
@@ -123,7 +125,10 @@ def _rank_entry(rank: int, world: int, store_path: str, fn: Callable, args: tupl
     torch.set_num_threads(threads)
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        backend = "cuda:nccl,cpu:gloo"  # as ballast.engine.dist.init_distributed: CPU offload needs gloo
+    dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
     except BaseException:
@@ -140,19 +145,23 @@ def spawn_ranks(
     timeout_s: float = 300.0,
     threads: int = 1,
     start_method: str = "spawn",
+    backend: str = "gloo",
 ) -> None:
-    """Run `fn(rank, world_size, *args)` on `world_size` CPU ranks with a gloo process group.
+    """Run `fn(rank, world_size, *args)` on `world_size` ranks with a gloo (or nccl) process group.
 
     Raises RuntimeError if any rank fails or if they have not all finished after `timeout_s` (the
     stragglers are killed first). With `start_method="spawn"`, `fn` must be importable (a
     module-level function) and every rank imports torch/transformers afresh (~5-15 s on a busy
     2-core box); `"fork"` reuses the parent's imports and is safe when the parent runs no threads of
-    its own (single-threaded torch, no process group, no CUDA).
+    its own (single-threaded torch, no process group, no CUDA). `backend="nccl"` puts rank r on GPU
+    r % device_count and needs "spawn".
     """
+    if backend == "nccl" and start_method != "spawn":
+        raise ValueError("CUDA ranks must be started with start_method='spawn'")
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         ctx = mp.start_processes(
-            _rank_entry, args=(world_size, store, fn, args, threads), nprocs=world_size,
+            _rank_entry, args=(world_size, store, fn, args, threads, backend), nprocs=world_size,
             join=False, start_method=start_method,
         )
         deadline = time.monotonic() + timeout_s

@@ -101,3 +101,27 @@ def test_varlen_attention_equals_dense_block_diagonal_mask():
     ).transpose(1, 2)
     torch.testing.assert_close(out[:, :8], dense[:, :8], atol=1e-6, rtol=0)
     assert torch.all(out[:, 8:] == 0)
+
+
+def test_cpu_offload_is_rejected_on_a_cpu_engine(tiny_lm_dir):
+    from types import SimpleNamespace
+
+    from ballast.engine.config import EngineConfig
+    from ballast.engine.parallelize import parallelize
+
+    model = load_model(tiny_lm_dir, "actor")
+    cfg = EngineConfig(model_path=tiny_lm_dir, cpu_offload=True, device="cpu")
+    with pytest.raises(ValueError, match="cpu_offload=True .* CPU-only engine"):
+        parallelize(model, SimpleNamespace(sp_size=1, device_type="cpu"), cfg)
+
+
+def test_ulysses_needs_heads_divisible_by_sp(tiny_lm_dir):
+    from types import SimpleNamespace
+
+    from ballast.engine.config import EngineConfig
+    from ballast.engine.parallelize import parallelize
+
+    model = load_model(tiny_lm_dir, "actor")  # 4 heads
+    cfg = EngineConfig(model_path=tiny_lm_dir, ulysses_sequence_parallel_size=3)
+    with pytest.raises(ValueError, match="ulysses_sequence_parallel_size=3 must divide num_attention_heads=4"):
+        parallelize(model, SimpleNamespace(sp_size=3, device_type="cpu"), cfg)
