@@ -7,10 +7,12 @@ the result is validated once into a frozen config plus derived sizes before any 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import random
 import sys
+from typing import Optional
 
 import hydra
 import numpy as np
@@ -39,8 +41,12 @@ def absolute_paths(cfg: BallastConfig) -> BallastConfig:
 
 
 def prepare(raw: DictConfig):
-    """Typed config (absolute paths) + derived sizes + the actor's HF config, or a `ConfigError`."""
-    cfg = absolute_paths(to_typed(raw))
+    """Typed config (absolute paths) + derived sizes, or a `ConfigError` naming what is wrong."""
+    return prepare_typed(to_typed(raw))
+
+
+def prepare_typed(cfg: BallastConfig):
+    cfg = absolute_paths(cfg)
     model = ModelInfo.from_dir(cfg.actor_rollout_ref.model.path)
     sizes = check_config(cfg, model)
     if cfg.actor_rollout_ref.rollout.name == "vllm":
@@ -54,12 +60,14 @@ def prepare(raw: DictConfig):
     return cfg, sizes
 
 
-def run(cfg: BallastConfig, sizes, raw_config: dict) -> dict:
-    """Build data, Ray workers and trackers, then train. Returns the last step's metrics."""
+@contextlib.contextmanager
+def training_session(cfg: BallastConfig, sizes, raw_config: Optional[dict] = None):
+    """Data, Ray, workers and trackers for one run; yields the `RayPPOTrainer` and cleans up after."""
     import json
 
     import ray
     import torch
+    from tqdm import tqdm
 
     from ballast.models import load_tokenizer
     from ballast.trainer.data_setup import RunData
@@ -77,26 +85,32 @@ def run(cfg: BallastConfig, sizes, raw_config: dict) -> dict:
     data = RunData(cfg, tokenizer)
     reward = RewardManager.from_config(tokenizer, cfg.custom_reward_function.path, cfg.custom_reward_function.name,
                                        cfg.data.reward_fn_key)
-    start_ray(cfg)
+    owns_ray = start_ray(cfg)
     workers = None
-    from tqdm import tqdm
-
     tracker = Tracker(cfg.trainer.logger, cfg.trainer.project_name, cfg.trainer.experiment_name,
                       cfg.trainer.default_local_dir, config=raw_config, console=tqdm.write)
     try:
         print("ballast: derived sizes\n  " + "\n  ".join(sizes.summary()), flush=True)
         workers = create_workers(cfg, sizes, data.total_steps)
-        model_config = json.load(open(os.path.join(arr.model.path, "config.json")))
-        trainer = RayPPOTrainer(cfg, sizes, data, workers, reward, tracker, model_config)
-        return trainer.fit()
+        with open(os.path.join(arr.model.path, "config.json")) as f:
+            model_config = json.load(f)
+        yield RayPPOTrainer(cfg, sizes, data, workers, reward, tracker, model_config)
     finally:
         tracker.finish()
         if workers is not None:
             workers.shutdown()
-        ray.shutdown()
+        if owns_ray:
+            ray.shutdown()
 
 
-def start_ray(cfg: BallastConfig) -> None:
+def run(cfg: BallastConfig, sizes, raw_config: Optional[dict] = None) -> dict:
+    """Train; returns the last step's metrics."""
+    with training_session(cfg, sizes, raw_config) as trainer:
+        return trainer.fit()
+
+
+def start_ray(cfg: BallastConfig) -> bool:
+    """Connect to `ray_init.address` or start a local instance; True if this call started Ray."""
     import tempfile
 
     import ray
@@ -104,15 +118,16 @@ def start_ray(cfg: BallastConfig) -> None:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if ray.is_initialized():
-        return
+        return False
     r = cfg.ray_init
     if r.address:
         ray.init(address=r.address, log_to_driver=True)
-        return
+        return True
     world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     num_cpus = r.num_cpus or max(os.cpu_count() or 1, world)
     ray.init(num_cpus=num_cpus, include_dashboard=False, dashboard_host=r.dashboard_host,
              _temp_dir=tempfile.mkdtemp(prefix="ray_", dir="/tmp"))
+    return True
 
 
 @hydra.main(config_path="../configs", config_name="ppo_trainer", version_base=None)

@@ -49,6 +49,8 @@ class RayPPOTrainer:
         self.total_steps = data.total_steps
         self.global_step = 0
         self._nonfinite_in_a_row = 0
+        self._resumed_from: Optional[str] = None
+        self._resume_checked = False
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> Dict[str, float]:
@@ -210,6 +212,10 @@ class RayPPOTrainer:
         return self.ckpt.save(self.global_step, save_workers, state)
 
     def resume(self) -> Optional[str]:
+        """Load the checkpoint `trainer.resume_mode` points at (once); returns its path or None."""
+        if self._resume_checked:
+            return self._resumed_from
+        self._resume_checked = True
         t = self.cfg.trainer
         if t.resume_mode == "disable":
             return None
@@ -231,6 +237,7 @@ class RayPPOTrainer:
         self._nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
         set_rng_state(state["rng"])
         print(f"ballast: resumed from {path} at step {self.global_step}")
+        self._resumed_from = path
         return path
 
 
