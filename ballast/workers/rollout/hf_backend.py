@@ -22,7 +22,14 @@ import torch
 from tensordict import TensorDict
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from .base import CALL_SEED_STRIDE, RolloutConfig, SamplingConfig, check_sampling_for_engine, resolve_special_tokens, stop_ids_for
+from .base import (
+    CALL_SEED_STRIDE,
+    RolloutConfig,
+    SamplingConfig,
+    check_sampling_for_engine,
+    resolve_special_tokens,
+    stop_ids_for,
+)
 from .postprocess import build_rollout_output, check_token_range, input_digest, read_prompts
 
 

@@ -35,7 +35,14 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from .base import CALL_SEED_STRIDE, RolloutConfig, SamplingConfig, check_sampling_for_engine, resolve_special_tokens, stop_ids_for
+from .base import (
+    CALL_SEED_STRIDE,
+    RolloutConfig,
+    SamplingConfig,
+    check_sampling_for_engine,
+    resolve_special_tokens,
+    stop_ids_for,
+)
 from .postprocess import build_rollout_output, check_token_range, input_digest, read_prompts
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
