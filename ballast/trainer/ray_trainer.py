@@ -147,7 +147,15 @@ class RayPPOTrainer:
         out = self.workers.actor_rollout.compute_log_prob(batch)
         entropy = out.pop("entropy")["entropy"]
         batch["old_log_probs"] = out["old_log_probs"]
-        return {"actor/entropy": float(masked_mean(entropy, batch["response_mask"]))}
+        metrics = {"actor/entropy": float(masked_mean(entropy, batch["response_mask"]))}
+        if "rollout_log_probs" in batch:
+            # The rollout engine's log-probs of its own samples against the actor's: a direct check
+            # that weight sync after every update keeps the two models identical.
+            mask = batch["response_mask"].bool()
+            diff = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs()[mask]
+            metrics["training/rollout_actor_log_prob_diff/mean"] = float(diff.mean()) if diff.numel() else 0.0
+            metrics["training/rollout_actor_log_prob_diff/max"] = float(diff.max()) if diff.numel() else 0.0
+        return metrics
 
     def compute_advantages(self, batch: Batch) -> Dict[str, float]:
         alg = self.cfg.algorithm
