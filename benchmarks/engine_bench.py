@@ -1,0 +1,185 @@
+"""Actor-update throughput on CPU: static padded micro-batches vs dynamic token-budget micro-batches
+with remove-padding, at the same peak-memory budget.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/engine_bench.py --json out.json
+
+One mini-batch of `--samples` sequences with log-normal lengths (max/median >= 8), padded into the
+engine layout (prompt width P + response width R = S). One "update" = `forward_backward_batch` +
+`optimizer_step` of the `small` tiny Qwen2 (~4M parameters) on a 1-rank gloo group.
+
+* static: `use_remove_padding=False`, `micro_batch_size_per_gpu = mbs` (`--micro-batch-size`):
+  every micro-batch holds exactly `mbs * S` padded token slots;
+* dynamic: `use_remove_padding=True`, `max_token_len_per_gpu = mbs * S` (the same budget): every
+  micro-batch holds at most that many real tokens (packed, no padding).
+
+Both therefore present the model with at most `budget` token positions per micro-batch, the quantity
+that sets activation memory. Throughput counts REAL tokens only (sum of attention_mask) per second of
+wall time, the median over `--repeats` updates after one warm-up update.
+
+Peak memory on CPU: there is no allocator high-water mark for CPU tensors, so each mode runs in its
+own fresh subprocess, which records its resident set size right before the first update (model,
+optimizer and data already loaded) and the process's RSS high-water mark (`ru_maxrss`) after the
+last one; `*_peak_mem_mb` is the difference, i.e. the extra memory the updates needed at their peak
+(activations, gradients, optimizer moments, allocator slack).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+
+def lognormal_lengths(num_samples: int, median_tokens: int, sigma: float, max_tokens: int, seed: int):
+    """(prompt_lens, response_lens): log-normal totals with max/median >= 8, prompts 10-30%."""
+    rng = np.random.default_rng(seed)
+    totals = np.clip(np.round(rng.lognormal(np.log(median_tokens), sigma, num_samples)), 8, max_tokens).astype(int)
+    # make the long tail explicit: at least one sample at max_tokens (>= 8x the median)
+    totals[int(np.argmax(totals))] = max_tokens
+    if totals.max() < 8 * np.median(totals):
+        raise ValueError(f"max/median = {totals.max() / np.median(totals):.1f} < 8; raise max_tokens or sigma")
+    prompts = np.maximum(1, np.round(totals * rng.uniform(0.1, 0.3, num_samples))).astype(int)
+    return prompts.tolist(), (totals - prompts).tolist()
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def run_mode(args) -> dict:
+    """One mode in this process: engine setup, warm-up, timed updates, memory high-water mark."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    from ballast.engine import EngineConfig, MicroBatchSpec, OptimConfig, TrainEngine, agg_loss
+    from ballast.engine.testing import make_rl_batch
+    from ballast.models import tiny_model_dir
+
+    def loss_fn(outputs, micro, norm):
+        loss_mat = -micro["advantages"] * outputs["log_probs"]
+        return agg_loss(loss_mat, micro["response_mask"], "token-mean", norm), {}
+
+    prompts, responses = lognormal_lengths(args.samples, args.median_tokens, args.sigma, args.max_tokens, args.seed)
+    model_dir = str(tiny_model_dir(args.preset))
+    data = make_rl_batch(prompts, responses, vocab_size=500, seed=args.seed)
+    seq_len = data["input_ids"].shape[1]
+    real_tokens = int(data["attention_mask"].sum())
+    dynamic = args.mode == "dynamic"
+    budget = args.micro_batch_size * seq_len
+    if dynamic:
+        spec = MicroBatchSpec(use_dynamic_bsz=True, max_token_len_per_gpu=budget)
+    else:
+        spec = MicroBatchSpec(micro_batch_size_per_gpu=args.micro_batch_size)
+    cfg = EngineConfig(model_path=model_dir, use_remove_padding=dynamic, device="cpu", optim=OptimConfig(lr=1e-5))
+    engine = TrainEngine(cfg)
+    num_params = sum(p.numel() for p in engine.model.parameters())
+    rss_before = _rss_mb()
+    times, metrics = [], {}
+    for i in range(args.repeats + 1):
+        start = time.perf_counter()
+        metrics = engine.forward_backward_batch(data, loss_fn, spec)
+        engine.optimizer_step()
+        if i > 0:  # the first update is the warm-up
+            times.append(time.perf_counter() - start)
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    lengths = data["attention_mask"].sum(-1).float()
+    return dict(
+        mode=args.mode,
+        seconds_per_update=statistics.median(times),
+        all_seconds=times,
+        tokens_per_s=real_tokens / statistics.median(times),
+        real_tokens=real_tokens,
+        padded_tokens=int(data["attention_mask"].numel()),
+        seq_len=seq_len,
+        micro_batches=int(metrics["num_micro_batches"]),
+        micro_batch_size=spec.micro_batch_size_per_gpu,
+        max_token_len_per_gpu=spec.max_token_len_per_gpu,
+        peak_mem_mb=peak_rss - rss_before,
+        num_params=num_params,
+        length_median=float(lengths.median()),
+        length_max=float(lengths.max()),
+    )
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", default=None, help="write the results as JSON to this path")
+    parser.add_argument("--samples", type=int, default=64)
+    parser.add_argument("--median-tokens", type=int, default=48)
+    parser.add_argument("--sigma", type=float, default=0.9)
+    parser.add_argument("--max-tokens", type=int, default=512)
+    parser.add_argument(
+        "--micro-batch-size", type=int, default=4,
+        help="static micro-batch size; the dynamic token budget is this times the padded length",
+    )
+    parser.add_argument("--preset", default="small", help="ballast.models tiny preset")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mode", choices=["static", "dynamic"], default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.samples % args.micro_batch_size:
+        parser.error(f"--samples={args.samples} must be divisible by --micro-batch-size={args.micro_batch_size}")
+    if args.mode is not None:  # worker subprocess
+        print(json.dumps(run_mode(args)))
+        return 0
+
+    results = {}
+    for mode in ("static", "dynamic"):
+        cmd = [sys.executable, os.path.abspath(__file__), "--mode", mode] + [
+            a for a in (argv if argv is not None else sys.argv[1:]) if a != "--json" and not a.endswith(".json")
+        ]
+        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if out.returncode != 0:
+            sys.stderr.write(out.stderr)
+            raise SystemExit(f"{mode} run failed")
+        results[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+    s, d = results["static"], results["dynamic"]
+    summary = {
+        "static_tokens_per_s": s["tokens_per_s"],
+        "dynamic_tokens_per_s": d["tokens_per_s"],
+        "speedup": d["tokens_per_s"] / s["tokens_per_s"],
+        "static_peak_mem_mb": s["peak_mem_mb"],
+        "dynamic_peak_mem_mb": d["peak_mem_mb"],
+        "details": results,
+        "settings": {k: v for k, v in vars(args).items() if k not in ("json", "mode")},
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "loadavg_1m": os.getloadavg()[0],
+            "python": platform.python_version(),
+        },
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    print(json.dumps({k: v for k, v in summary.items() if k != "details"}, indent=2))
+    print(
+        f"static : {s['tokens_per_s']:.0f} real tok/s ({s['micro_batches']} micro-batches of {s['micro_batch_size']}"
+        f" x {s['seq_len']} padded slots, {s['seconds_per_update']:.2f} s/update)\n"
+        f"dynamic: {d['tokens_per_s']:.0f} real tok/s ({d['micro_batches']} micro-batches of <= "
+        f"{d['max_token_len_per_gpu']} real tokens, {d['seconds_per_update']:.2f} s/update)\n"
+        f"real tokens {s['real_tokens']} of {s['padded_tokens']} padded slots; length median "
+        f"{s['length_median']:.0f}, max {s['length_max']:.0f}; params {s['num_params']:,}"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
