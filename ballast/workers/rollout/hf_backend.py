@@ -104,6 +104,8 @@ class HFBackend:
                 config.model_path, dtype=getattr(torch, config.resolved_dtype()), attn_implementation="sdpa"
             ).to(self.device)
         self.model = model.eval()
+        # A model passed in stays where it is; inputs follow it.
+        self.device = next(self.model.parameters()).device
         self.eos_token_ids, self.pad_token_id = resolve_special_tokens(config)
         self.vocab_size = int(self.model.config.get_text_config().vocab_size)
         self.last_input_digest: str | None = None

@@ -117,14 +117,28 @@ def _collective_device(group) -> torch.device:
 
 
 def gather_prompts(prompts: TensorDict, group, pad_token_id: int) -> tuple[TensorDict, TPGatherInfo]:
-    """All-gather the prompts of every rank of `group` (collective); see the module docstring."""
-    input_ids, attention_mask, position_ids, _ = read_prompts(prompts)
+    """All-gather the prompts of every rank of `group` (collective); see the module docstring.
+
+    Invalid prompts on any rank raise ValueError on every rank (never a lone raise while the
+    peers wait in the all-gather).
+    """
     size = dist.get_world_size(group)
     device = _collective_device(group)
-    local_size = torch.tensor(list(input_ids.shape), dtype=torch.int64, device=device)
+    try:
+        input_ids, attention_mask, position_ids, _ = read_prompts(prompts)
+        local_size = torch.tensor(list(input_ids.shape), dtype=torch.int64, device=device)
+        error = None
+    except ValueError as e:
+        local_size = torch.tensor([-1, -1], dtype=torch.int64, device=device)
+        error = e
     sizes = torch.empty(size * 2, dtype=torch.int64, device=device)
     _all_gather_single(sizes, local_size, group=group)
     sizes = sizes.view(size, 2).cpu()
+    if error is not None:
+        raise error
+    bad = (sizes[:, 0] < 0).nonzero().flatten().tolist()
+    if bad:
+        raise ValueError(f"TP group ranks {bad} (group-local) passed invalid prompts; see their error")
     info = TPGatherInfo(
         rank=dist.get_rank(group),
         rows_per_rank=tuple(int(n) for n in sizes[:, 0]),

@@ -1,5 +1,6 @@
 """TP gather/split over a real gloo group (3 processes, no vLLM): uneven rows and widths, an empty
-rank, the lockstep check, and every rank getting exactly its own rows back."""
+rank, the lockstep check, invalid prompts on one rank failing on all, and every rank getting
+exactly its own rows back."""
 
 import os
 import socket
@@ -60,8 +61,18 @@ def _rank_main(rank, port, out_dir):
         mismatch = None
     except RuntimeError as e:
         mismatch = str(e)
+    # Invalid prompts on one rank (right-padded on rank 2) raise on every rank, before any hang.
+    bad = make_prompts(PROMPTS[rank], WIDTH[rank])
+    if rank == 2:
+        bad["attention_mask"][0] = torch.tensor([1, 1, 1, 1, 1, 0])
+    try:
+        tp_generate(backend, bad, group)
+        invalid = None
+    except ValueError as e:
+        invalid = str(e)
     torch.save({"out": out.to_dict(), "mine": mine.to_dict(), "alone": None if alone is None else alone.to_dict(),
-                "engine_calls": backend.calls[:1], "mismatch": mismatch}, os.path.join(out_dir, f"{rank}.pt"))
+                "engine_calls": backend.calls[:1], "num_engine_calls": len(backend.calls), "mismatch": mismatch,
+                "invalid": invalid}, os.path.join(out_dir, f"{rank}.pt"))
     dist.destroy_process_group()
 
 
@@ -72,9 +83,11 @@ def _free_port():
 
 
 def test_tp_generate_over_gloo(tmp_path):
-    # fork when it is safe (no other Python threads in this process, e.g. from Ray or vLLM): three
-    # fresh interpreters importing torch took 20-40 s on 2 busy cores, forked ones start at once.
-    start_method = "fork" if threading.active_count() == 1 else "spawn"
+    # fork when it is safe: no other Python threads except tqdm's monitor (a daemon that only
+    # sleeps on an Event; transformers' loading bars start it). With Ray's or vLLM's threads around,
+    # spawn. Three fresh interpreters importing torch took 20-40 s on 2 busy cores; forks start at once.
+    others = [t for t in threading.enumerate() if t is not threading.main_thread()]
+    start_method = "fork" if all(t.daemon and t.name == "tqdm_monitor" for t in others) else "spawn"
     ctx = mp.start_processes(_rank_main, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=False,
                              start_method=start_method)
     try:
@@ -99,3 +112,6 @@ def test_tp_generate_over_gloo(tmp_path):
             for key, value in res[r]["alone"].items():
                 assert torch.equal(out[key], value), (r, key)
         assert "differ" in res[r]["mismatch"]
+        assert "not left-padded" in res[r]["invalid"] if r == 2 else "ranks [2]" in res[r]["invalid"]
+        # The engine ran once per rank for the good call (+1 for the 'alone' reference), never for the bad ones.
+        assert res[r]["num_engine_calls"] == 1 + (res[r]["alone"] is not None)
