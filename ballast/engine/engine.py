@@ -44,6 +44,7 @@ from ballast.engine.padding import check_padded_layout, sequence_lengths
 from ballast.engine.parallelize import parallelize
 
 REQUIRED_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
+RESERVED_METRICS = ("loss", "num_micro_batches", "num_dummy_micro_batches", "num_tokens", "num_sequences")
 LossFn = Callable[[dict, TensorDict, GlobalNorm], tuple[torch.Tensor, dict]]
 
 
@@ -160,20 +161,24 @@ class TrainEngine:
         device = self.parallel.device
         seq_len, response_len = data["input_ids"].shape[1], data["responses"].shape[1]
         self.model.train(not forward_only)
-        sums: dict[str, float] = {"loss": 0.0}
+        # Accumulated on the device and read once at the end: no host sync per micro-batch.
+        sums: dict[str, torch.Tensor] = {"loss": torch.zeros((), dtype=torch.float64, device=device)}
         with torch.set_grad_enabled(not forward_only):
             for micro in split_micro_batches(data, plan):
                 micro = micro.to(device)
                 outputs = forward_micro_batch(self.model, micro, opts, self.parallel)
                 loss, metrics = loss_fn(outputs, micro, norm)
+                clash = sorted(set(metrics) & set(RESERVED_METRICS))
+                if clash:
+                    raise ValueError(f"loss_fn returned metrics {clash}, names the engine reserves for itself")
                 if not forward_only:
                     loss.backward()
-                sums["loss"] += float(loss.detach())
-                for key, value in metrics.items():
-                    sums[key] = sums.get(key, 0.0) + float(value.detach() if torch.is_tensor(value) else value)
+                for key, value in {"loss": loss, **metrics}.items():
+                    value = torch.as_tensor(value.detach() if torch.is_tensor(value) else value, device=device)
+                    sums[key] = sums.get(key, 0.0) + value.to(torch.float64)
             for _ in range(plan.num_dummy):
                 self._run_dummy(seq_len, response_len, opts, backward=not forward_only)
-        result = self._sum_over_dp(sums)
+        result = self._sum_over_dp({key: float(value) for key, value in sums.items()})
         result.update(
             num_micro_batches=float(plan.num_micro_batches),
             num_dummy_micro_batches=float(plan.num_dummy),

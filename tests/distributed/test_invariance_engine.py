@@ -1,6 +1,6 @@
 """THE invariance guarantee: loss and full gradient of one mini-batch equal the single-process
 plain-PyTorch reference for every (dp, sp) layout, micro-batch cut, remove-padding setting and loss
-aggregation mode.
+aggregation mode (plus activation checkpointing on one cut).
 
 One process group is launched per (dp, sp) layout; inside it every configuration runs against
 references computed once, here, with an unmodified transformers model (sdpa attention), each sample
@@ -119,10 +119,16 @@ def _invariance_worker(rank, world, root, model_dir, sp):
     local = data[parallel.dp_rank * rows : (parallel.dp_rank + 1) * rows]
     specs = _specs(rows, data["attention_mask"].sum(-1).numpy(), sp)
     results = []
-    for rmpad in ([True, False] if sp == 1 else [True]):
-        cfg = EngineConfig(model_path=model_dir, use_remove_padding=rmpad, ulysses_sequence_parallel_size=sp)
+    runs = [(rmpad, False, list(specs)) for rmpad in ([True, False] if sp == 1 else [True])]
+    runs.append((True, True, ["dynamic-tight"]))  # activation checkpointing on
+    for rmpad, checkpointing, spec_names in runs:
+        cfg = EngineConfig(
+            model_path=model_dir, use_remove_padding=rmpad, ulysses_sequence_parallel_size=sp,
+            enable_activation_checkpointing=checkpointing,
+        )
         engine = TrainEngine(cfg, parallel=parallel)
-        for spec_name, spec in specs.items():
+        for spec_name in spec_names:
+            spec = specs[spec_name]
             for mode in LOSS_AGG_MODES:
                 metrics = engine.forward_backward_batch(
                     local, partial(rl_loss, mode=mode), spec, temperature=TEMPERATURE, calculate_entropy=True
@@ -134,7 +140,7 @@ def _invariance_worker(rank, world, root, model_dir, sp):
                 ref_norm = math.sqrt(sum(float((g.double() ** 2).sum()) for g in ref_grads.values()))
                 max_diff = max(float((grads[n] - ref_grads[n]).abs().max()) for n in grads)
                 results.append(dict(
-                    rmpad=rmpad, spec=spec_name, mode=mode, loss=metrics["loss"], ref_loss=ref_loss,
+                    rmpad=rmpad, checkpointing=checkpointing, spec=spec_name, mode=mode, loss=metrics["loss"], ref_loss=ref_loss,
                     entropy=metrics["entropy"], ref_entropy=ref_entropy, max_grad_diff=max_diff,
                     ref_grad_norm=ref_norm, num_micro_batches=metrics["num_micro_batches"],
                 ))
@@ -149,11 +155,11 @@ def test_loss_and_gradient_equal_the_single_process_reference(problem, dp, sp):
     spawn_ranks(_invariance_worker, dp * sp, args=(root, model_dir, sp), timeout_s=240, start_method="fork")
     with open(os.path.join(root, f"results_{dp * sp}_{sp}.json")) as f:
         results = json.load(f)
-    expected_runs = (2 if sp == 1 else 1) * 5 * len(LOSS_AGG_MODES)
+    expected_runs = ((2 if sp == 1 else 1) * 5 + 1) * len(LOSS_AGG_MODES)
     assert len(results) == expected_runs
     failures = []
     for r in results:
-        where = f"dp={dp} sp={sp} rmpad={r['rmpad']} {r['spec']} {r['mode']}"
+        where = f"dp={dp} sp={sp} rmpad={r['rmpad']} ckpt={r['checkpointing']} {r['spec']} {r['mode']}"
         if abs(r["loss"] - r["ref_loss"]) > REL_TOL * max(1.0, abs(r["ref_loss"])):
             failures.append(f"{where}: loss {r['loss']:.8g} != reference {r['ref_loss']:.8g}")
         if r["max_grad_diff"] > REL_TOL * r["ref_grad_norm"]:
@@ -163,5 +169,6 @@ def test_loss_and_gradient_equal_the_single_process_reference(problem, dp, sp):
     assert not failures, "\n".join(failures)
     # the matrix really exercised different cuts: 1-sample micro-batches vs one micro-batch
     counts = {r["spec"]: r["num_micro_batches"] for r in results}
+    assert any(r["checkpointing"] for r in results)
     assert counts["static-1"] == NUM_SAMPLES // dp and counts["static-all"] == 1
     assert counts["dynamic-tight"] > counts["dynamic-loose"]
