@@ -11,6 +11,7 @@ returns its own slice.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Dict, Optional
 
@@ -33,6 +34,18 @@ def engine_input(batch: Batch, extra=()) -> TensorDict:
     """The TensorDict the engine reads: the sequence layout plus whatever the loss needs."""
     keys = [k for k in (*ENGINE_KEYS, *extra) if k in batch.tensor_keys]
     return batch.tensors.select(*keys)
+
+
+def _per_engine_seed(config, engine_index: int):
+    """Give each data-parallel rollout engine its own seed stream (TP peers share one engine's).
+
+    Otherwise row r of every engine would sample with the same seed, and the copies of one prompt
+    that land on different engines at the same row would be identical.
+    """
+    sampling = config.sampling
+    if sampling.seed is None:
+        return config
+    return dataclasses.replace(config, sampling=dataclasses.replace(sampling, seed=sampling.seed + engine_index * (1 << 16)))
 
 
 class ActorRolloutRefWorker(Worker):
@@ -64,7 +77,7 @@ class ActorRolloutRefWorker(Worker):
             tp = spec.rollout.tensor_model_parallel_size
             if tp > 1:
                 self._tp_group = new_tp_group(tp)
-            self.rollout = build_backend(spec.rollout)
+            self.rollout = build_backend(_per_engine_seed(spec.rollout, self.rank // tp))
             self.rollout.sleep()  # GPU: hand the memory to training until the first generate
         return {"rank": self.rank, "pid": os.getpid()}
 
@@ -79,7 +92,8 @@ class ActorRolloutRefWorker(Worker):
             self.rollout.load_weights(self.actor.iter_full_state_dict())
             self._weights_stale = False
         sampling = self.spec.rollout_val_sampling if prompts.meta.get("validate") else None
-        out = tp_generate(self.rollout, prompts.tensors.select(*PROMPT_KEYS), self._tp_group, sampling)
+        out = tp_generate(self.rollout, prompts.tensors.select(*PROMPT_KEYS), self._tp_group, sampling,
+                          call_index=prompts.meta.get("rollout_call_index"))
         self.rollout.sleep()
         return Batch(out, non_tensors=prompts.non_tensors, meta=prompts.meta)
 

@@ -229,9 +229,15 @@ class RolloutBackend(Protocol):
     pad_token_id: int
     last_input_digest: str | None
 
-    def generate(self, prompts: TensorDict, sampling: SamplingConfig | None = None) -> TensorDict:
+    def generate(
+        self, prompts: TensorDict, sampling: SamplingConfig | None = None, call_index: int | None = None
+    ) -> TensorDict:
         """Prompts (input_ids, attention_mask, optional position_ids; (B, P), left-padded) ->
-        the output contract of `postprocess.build_rollout_output`, rows in input order."""
+        the output contract of `postprocess.build_rollout_output`, rows in input order.
+
+        A seeded call samples with seed + call_index * CALL_SEED_STRIDE (+ row on vLLM); call_index
+        defaults to how many calls came before. Pinning it (to the training step) makes a resumed
+        run sample exactly what an uninterrupted one would have."""
         ...
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:

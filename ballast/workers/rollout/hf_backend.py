@@ -112,14 +112,18 @@ class HFBackend:
         self._num_calls = 0
 
     @torch.no_grad()
-    def generate(self, prompts: TensorDict, sampling: SamplingConfig | None = None) -> TensorDict:
+    def generate(
+        self, prompts: TensorDict, sampling: SamplingConfig | None = None, call_index: int | None = None
+    ) -> TensorDict:
         sampling = sampling or self.config.sampling
         check_sampling_for_engine(self.config, sampling)
         input_ids, attention_mask, position_ids, token_lists = read_prompts(prompts)
         check_token_range(token_lists, self.vocab_size)
         stop = stop_ids_for(sampling, self.eos_token_ids)
         self.last_input_digest = input_digest(token_lists, repr(sampling))
-        call_index, self._num_calls = self._num_calls, self._num_calls + 1
+        if call_index is None:  # the caller may pin the seed stream (e.g. to the training step)
+            call_index = self._num_calls
+        self._num_calls += 1
 
         width = input_ids.shape[1]
         processor = _SamplingProcessor(sampling, width, record=sampling.calculate_log_probs)

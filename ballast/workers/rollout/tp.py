@@ -170,6 +170,7 @@ def check_lockstep(gathered: TensorDict, sampling: SamplingConfig, group) -> str
 
 def tp_generate(
     backend: RolloutBackend, prompts: TensorDict, group, sampling: SamplingConfig | None = None,
+    call_index: int | None = None,
 ) -> TensorDict:
     """Generate this rank's prompts with a TP engine: gather, lockstep check, generate, split.
 
@@ -177,7 +178,7 @@ def tp_generate(
     group of one rank just calls `backend.generate`. Returns exactly this rank's rows, in order.
     """
     if group is None or dist.get_world_size(group) == 1:
-        return backend.generate(prompts, sampling)
+        return backend.generate(prompts, sampling, call_index)
     group_ranks = dist.get_process_group_ranks(group)
     engine_ranks = getattr(backend, "tp_group_ranks", None)
     if engine_ranks is not None and list(engine_ranks) != list(group_ranks):
@@ -185,4 +186,4 @@ def tp_generate(
     sampling = sampling or backend.config.sampling
     gathered, info = gather_prompts(prompts, group, backend.pad_token_id)
     check_lockstep(gathered, sampling, group)
-    return split_rank_output(backend.generate(gathered, sampling), info)
+    return split_rank_output(backend.generate(gathered, sampling, call_index), info)

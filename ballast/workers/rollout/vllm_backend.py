@@ -188,7 +188,9 @@ class VLLMBackend:
         base = sampling.seed + call_index * CALL_SEED_STRIDE
         return [SamplingParams(seed=base + row, **common) for row in range(num_rows)]
 
-    def generate(self, prompts: TensorDict, sampling: SamplingConfig | None = None) -> TensorDict:
+    def generate(
+        self, prompts: TensorDict, sampling: SamplingConfig | None = None, call_index: int | None = None
+    ) -> TensorDict:
         from vllm.inputs import TokensPrompt
 
         sampling = sampling or self.config.sampling
@@ -203,7 +205,9 @@ class VLLMBackend:
                 )
         self._require_awake()
         self.last_input_digest = input_digest(token_lists, repr(sampling))
-        call_index, self._num_calls = self._num_calls, self._num_calls + 1
+        if call_index is None:  # the caller may pin the seed stream (e.g. to the training step)
+            call_index = self._num_calls
+        self._num_calls += 1
         responses: list[list[int]] = []
         log_probs: list[list[float]] | None = [] if sampling.calculate_log_probs else None
         if token_lists:
