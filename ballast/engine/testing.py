@@ -8,6 +8,7 @@ call raises, so a hang is a test failure rather than a stuck CI job.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import time
 import traceback
@@ -138,24 +139,39 @@ def _rank_entry(
         dist.destroy_process_group()
 
 
+def _fork_is_safe() -> bool:
+    import threading
+
+    import torch.distributed as dist
+
+    return (
+        sys.platform.startswith("linux")
+        and threading.active_count() == 1
+        and not (dist.is_available() and dist.is_initialized())
+        and not torch.cuda.is_initialized()
+    )
+
+
 def spawn_ranks(
     fn: Callable,
     world_size: int,
     args: tuple = (),
     timeout_s: float = 300.0,
     threads: int = 1,
-    start_method: str = "spawn",
+    start_method: str = "auto",
     backend: str = "gloo",
 ) -> None:
     """Run `fn(rank, world_size, *args)` on `world_size` ranks with a gloo (or nccl) process group.
 
     Raises RuntimeError if any rank fails or if they have not all finished after `timeout_s` (the
-    stragglers are killed first). With `start_method="spawn"`, `fn` must be importable (a
-    module-level function) and every rank imports torch/transformers afresh (~5-15 s on a busy
-    2-core box); `"fork"` reuses the parent's imports and is safe when the parent runs no threads of
-    its own (single-threaded torch, no process group, no CUDA). `backend="nccl"` puts rank r on GPU
-    r % device_count and needs "spawn".
+    stragglers are killed first). `fn` must be importable (a module-level function). With "spawn"
+    every rank imports torch/transformers afresh (~5-15 s on a busy 2-core box); "fork" reuses the
+    parent's imports and is safe only while the parent runs no other threads, has no process group
+    and no CUDA context. "auto" forks when that holds and spawns otherwise. `backend="nccl"` puts
+    rank r on GPU r % device_count and always spawns.
     """
+    if start_method == "auto":
+        start_method = "fork" if backend == "gloo" and _fork_is_safe() else "spawn"
     if backend == "nccl" and start_method != "spawn":
         raise ValueError("CUDA ranks must be started with start_method='spawn'")
     with tempfile.TemporaryDirectory() as tmp:

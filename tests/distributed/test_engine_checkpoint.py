@@ -115,7 +115,7 @@ def model_dir():
 def test_steps_skip_checkpoint_and_export(tmp_path, model_dir):
     data = make_rl_batch([4, 9, 2, 15, 7, 3, 11, 5], [20, 3, 40, 12, 30, 8, 25, 16], vocab_size=500, seed=2)
     torch.save(data.to_dict(), tmp_path / "data.pt")
-    spawn_ranks(_checkpoint_worker, 2, args=(str(tmp_path), model_dir), timeout_s=180, start_method="fork")
+    spawn_ranks(_checkpoint_worker, 2, args=(str(tmp_path), model_dir), timeout_s=180)
     rep = json.loads((tmp_path / "report.json").read_text())
 
     # warmup (s + 1) / 2 for s = 0, 1, then the cosine starts at 1; the skipped step does not advance it

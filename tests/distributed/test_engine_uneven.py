@@ -144,7 +144,7 @@ def _uneven_worker(rank, world, root, model_dir):
 
 def test_uneven_dp_ranks_finish_and_keep_the_gradient_and_ulysses_outputs_exact(problem):
     root, model_dir = problem
-    spawn_ranks(_uneven_worker, 4, args=(root, model_dir), timeout_s=180, start_method="fork")
+    spawn_ranks(_uneven_worker, 4, args=(root, model_dir), timeout_s=180)
     reports = torch.load(os.path.join(root, "report.pt"), weights_only=True)
     failures = []
     for rank, rep in enumerate(reports):
@@ -175,5 +175,5 @@ def _hanging_worker(rank, world):
 def test_a_hang_fails_within_the_timeout_and_kills_the_ranks():
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="still running after 5 s"):
-        spawn_ranks(_hanging_worker, 2, timeout_s=5, start_method="fork")
+        spawn_ranks(_hanging_worker, 2, timeout_s=5)
     assert time.monotonic() - start < 60

@@ -152,7 +152,7 @@ def _invariance_worker(rank, world, root, model_dir, sp):
 @pytest.mark.parametrize("dp, sp", [(1, 1), (2, 1), (1, 2), (2, 2)], ids=lambda v: str(v))
 def test_loss_and_gradient_equal_the_single_process_reference(problem, dp, sp):
     root, model_dir = problem
-    spawn_ranks(_invariance_worker, dp * sp, args=(root, model_dir, sp), timeout_s=240, start_method="fork")
+    spawn_ranks(_invariance_worker, dp * sp, args=(root, model_dir, sp), timeout_s=240)
     with open(os.path.join(root, f"results_{dp * sp}_{sp}.json")) as f:
         results = json.load(f)
     expected_runs = ((2 if sp == 1 else 1) * 5 + 1) * len(LOSS_AGG_MODES)
