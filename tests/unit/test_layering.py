@@ -47,3 +47,13 @@ def test_every_module_opens_with_a_docstring():
     missing = [str(p.relative_to(PKG.parent)) for p in sorted(PKG.rglob("*.py"))
                if p.read_text().strip() and ast.get_docstring(ast.parse(p.read_text())) is None]
     assert not missing, "modules without a docstring:\n" + "\n".join(missing)
+
+
+def test_test_module_basenames_are_unique():
+    # Test folders have no __init__.py, so pytest imports test modules by basename: two files with the
+    # same name in different folders make collection fail.
+    from collections import Counter
+
+    tests = Path(__file__).resolve().parents[1]
+    names = Counter(p.name for p in tests.rglob("*.py") if p.name != "conftest.py")
+    assert not [n for n, c in names.items() if c > 1], [n for n, c in names.items() if c > 1]
