@@ -94,7 +94,9 @@ class TrainEngine:
     def _preflight(self, data: TensorDict, spec: MicroBatchSpec) -> tuple[GlobalNorm, MicroBatchPlan]:
         error = _check_batch(data)
         group, device = self.parallel.dp_group, self.parallel.device
-        (any_error,) = agree_max([int(error is not None)], group, device)
+        local_response_len = 0 if error else int(data["responses"].shape[-1])
+        # One MAX all-reduce: a malformed batch on any DP rank makes every rank raise here.
+        any_error, response_len = agree_max([int(error is not None), local_response_len], group, device)
         if any_error:
             raise ValueError(error or "another DP rank received a malformed mini-batch")
         self._check_sp_peers_agree(data)
@@ -103,7 +105,6 @@ class TrainEngine:
         )
         if self.parallel.dp_size > 1:
             dist.all_reduce(counts, group=group)
-        (response_len,) = agree_max([int(data["responses"].shape[-1])], group, device)
         norm = GlobalNorm(num_tokens=int(counts[0]), num_sequences=int(counts[1]), response_len=response_len)
         lengths = sequence_lengths(data["attention_mask"]).cpu().numpy()
         plan = plan_micro_batches(lengths, spec, self.parallel.sp_size, group, device)
@@ -116,8 +117,8 @@ class TrainEngine:
         ids = data["input_ids"].to(torch.int64) * data["attention_mask"].to(torch.int64)
         weights = torch.arange(1, ids.shape[-1] + 1, device=ids.device)
         fingerprint = [int(data.batch_size[0]), int((ids * weights).sum()) % (2**61 - 1)]
-        high = agree_max(fingerprint, self.parallel.sp_group, self.parallel.device)
-        low = [-v for v in agree_max([-v for v in fingerprint], self.parallel.sp_group, self.parallel.device)]
+        both = agree_max(fingerprint + [-v for v in fingerprint], self.parallel.sp_group, self.parallel.device)
+        high, low = both[:2], [-v for v in both[2:]]
         if high != low:
             raise ValueError(f"SP peers hold different mini-batches (fingerprints range {low}..{high})")
 

@@ -47,10 +47,19 @@ def build_tiny_causal_lm(
         tie_word_embeddings=tie_word_embeddings,
         use_cache=False,
     )
+    from transformers.utils import logging as hf_logging
+
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config).float()
-    model.save_pretrained(path)
+    # A progress bar starts tqdm's monitor thread, after which forking ranks is no longer safe.
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(path)
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
     return path
 
 

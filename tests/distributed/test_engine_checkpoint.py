@@ -14,9 +14,13 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+import transformers
 
 from ballast.engine import EngineConfig, MicroBatchSpec, OptimConfig, TrainEngine, agg_loss
 from ballast.engine.testing import make_rl_batch, spawn_ranks
+
+# Progress bars start tqdm's monitor thread; without it the ranks can be forked (fast).
+transformers.utils.logging.disable_progress_bar()
 
 SPEC = MicroBatchSpec(use_dynamic_bsz=True, max_token_len_per_gpu=96)
 OPTIM = OptimConfig(lr=1e-2, lr_schedule="cosine", warmup_steps=2, total_steps=10, min_lr_ratio=0.1)
@@ -44,12 +48,10 @@ def _step(engine, data):
 
 
 def _checkpoint_worker(rank, world, root, model_dir):
-    import transformers
     from tensordict import TensorDict
 
     from ballast.engine.dist import build_parallel_state
 
-    transformers.utils.logging.disable_progress_bar()
     data = TensorDict(torch.load(os.path.join(root, "data.pt"), weights_only=True), batch_size=[8])
     local = data[rank * 4 : (rank + 1) * 4]
     parallel = build_parallel_state(1, "cpu")

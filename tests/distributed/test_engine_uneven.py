@@ -15,11 +15,15 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+import transformers
 
 from ballast.engine import EngineConfig, GlobalNorm, MicroBatchSpec, TrainEngine, agg_loss
 from ballast.engine.forward import ForwardOptions, forward_micro_batch
 from ballast.engine.model import load_model
 from ballast.engine.testing import build_tiny_causal_lm, make_rl_batch, reference_log_probs, spawn_ranks
+
+# Progress bars start tqdm's monitor thread; without it the ranks can be forked (fast).
+transformers.utils.logging.disable_progress_bar()
 
 TEMPERATURE = 0.7
 LONG = ([30, 12, 55, 8, 20, 41, 5, 17], [80, 100, 60, 110, 90, 70, 112, 95])
@@ -90,12 +94,10 @@ def _max_rel_grad_diff(engine, ref_grads):
 
 
 def _uneven_worker(rank, world, root, model_dir):
-    import transformers
     from tensordict import TensorDict
 
     from ballast.engine.dist import build_parallel_state
 
-    transformers.utils.logging.disable_progress_bar()
     raw = torch.load(os.path.join(root, "data.pt"), weights_only=True)
     refs = torch.load(os.path.join(root, "ref.pt"), weights_only=True)
     long = TensorDict(raw["long"], batch_size=[8])

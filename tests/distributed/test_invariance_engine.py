@@ -20,10 +20,14 @@ from functools import partial
 import numpy as np
 import pytest
 import torch
+import transformers
 
 from ballast.engine import EngineConfig, MicroBatchSpec, TrainEngine
 from ballast.engine.losses import LOSS_AGG_MODES, agg_loss
 from ballast.engine.testing import build_tiny_causal_lm, make_rl_batch, reference_log_probs, spawn_ranks
+
+# Progress bars start tqdm's monitor thread; without it the ranks can be forked (fast).
+transformers.utils.logging.disable_progress_bar()
 
 TEMPERATURE = 0.9
 ENTROPY_COEF = 0.01
@@ -105,12 +109,10 @@ def _specs(local_rows: int, lengths: np.ndarray, sp: int):
 
 
 def _invariance_worker(rank, world, root, model_dir, sp):
-    import transformers
     from tensordict import TensorDict
 
     from ballast.engine.dist import build_parallel_state
 
-    transformers.utils.logging.disable_progress_bar()
     data_dict = torch.load(os.path.join(root, "data.pt"), weights_only=True)
     data = TensorDict(data_dict, batch_size=[NUM_SAMPLES])
     refs = torch.load(os.path.join(root, "ref.pt"), weights_only=True)
