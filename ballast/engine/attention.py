@@ -125,7 +125,7 @@ def varlen_causal_attention(
     return torch.cat([res, out[:, total:]], dim=1)
 
 
-def _packed_rows(module, q, k, v, position_ids, scaling, dropout, backend) -> torch.Tensor:
+def _packed_rows(q, k, v, position_ids, scaling, dropout, backend) -> torch.Tensor:
     """Packed attention without a context: derive each row's segments from its position ids."""
     outs = []
     for row in range(q.shape[0]):
@@ -140,7 +140,7 @@ def _packed_rows(module, q, k, v, position_ids, scaling, dropout, backend) -> to
     return torch.cat(outs, dim=0)
 
 
-def _ulysses(module, q, k, v, ctx: PackedAttentionContext, scaling, dropout) -> torch.Tensor:
+def _ulysses(q, k, v, ctx: PackedAttentionContext, scaling, dropout) -> torch.Tensor:
     group = ctx.sp_group
     sp = dist.get_world_size(group)
     num_q_heads = q.shape[1]
@@ -175,13 +175,13 @@ def ballast_attention_forward(
             raise ValueError("Ulysses attention needs packed inputs (attention_mask=None)")
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling)
     if ctx is not None and ctx.sp_group is not None and dist.get_world_size(ctx.sp_group) > 1:
-        out = _ulysses(module, query, key, value, ctx, scaling, dropout)
+        out = _ulysses(query, key, value, ctx, scaling, dropout)
     elif ctx is not None:
         if query.shape[0] != 1:
             raise ValueError(f"a packed attention context needs batch size 1, got {query.shape[0]}")
         out = varlen_causal_attention(query, key, value, ctx.cu_seqlens, ctx.max_seqlen, scaling, dropout, ctx.backend)
     else:
-        out = _packed_rows(module, query, key, value, kwargs.get("position_ids"), scaling, dropout, "auto")
+        out = _packed_rows(query, key, value, kwargs.get("position_ids"), scaling, dropout, "auto")
     return out.contiguous(), None
 
 

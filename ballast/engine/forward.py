@@ -30,13 +30,9 @@ class ForwardOptions:
     attn_backend: str = "auto"
 
 
-def _token_outputs(
-    model_out, labels: torch.Tensor, opts: ForwardOptions
-) -> dict[str, torch.Tensor]:
-    """Per kept position: log-probs/entropy from (1 or B, N, V) logits, or values from (.., N, 1)."""
-    if opts.is_critic:
-        return {"values": model_out.logits.reshape(-1, model_out.logits.shape[-1])[:, 0].float()}
-    logits = model_out.logits.reshape(-1, model_out.logits.shape[-1])
+def _token_outputs(logits: torch.Tensor, labels: torch.Tensor, opts: ForwardOptions) -> dict[str, torch.Tensor]:
+    """Log-probs (and entropy) of `labels` under (..., N, V) logits of the kept positions."""
+    logits = logits.reshape(-1, logits.shape[-1])
     log_probs, entropy = log_probs_and_entropy(
         logits, labels, opts.temperature, opts.calculate_entropy, opts.chunk_tokens
     )
@@ -60,14 +56,7 @@ def _forward_padded(model, micro: TensorDict, slots: padding.ResponseSlots, labe
         return {"values": values}
     # Columns P-1 .. S-1; column j of the kept block predicts response token j.
     out = model(**kwargs, logits_to_keep=response_len + 1)
-    logits = out.logits[:, :response_len][slots.rows, slots.cols]
-    log_probs, entropy = log_probs_and_entropy(
-        logits, labels, opts.temperature, opts.calculate_entropy, opts.chunk_tokens
-    )
-    res = {"log_probs": log_probs}
-    if entropy is not None:
-        res["entropy"] = entropy
-    return res
+    return _token_outputs(out.logits[:, :response_len][slots.rows, slots.cols], labels, opts)
 
 
 def _forward_packed(model, micro: TensorDict, slots, labels, opts, parallel: ParallelState | None) -> dict:
@@ -91,7 +80,7 @@ def _forward_packed(model, micro: TensorDict, slots, labels, opts, parallel: Par
         if opts.is_critic:
             values = model(**kwargs).logits[0, :, 0][slots.packed_pos].float()
             return {"values": values}
-        return _token_outputs(model(**kwargs, logits_to_keep=slots.packed_pos), labels, opts)
+        return _token_outputs(model(**kwargs, logits_to_keep=slots.packed_pos).logits, labels, opts)
 
     # Ulysses: pad the packed sequence to a multiple of sp, run our slice, gather per-token results.
     ids_full, _ = ulysses.pad_to_multiple(packed.input_ids, sp)
@@ -111,7 +100,7 @@ def _forward_packed(model, micro: TensorDict, slots, labels, opts, parallel: Par
         return {"values": values[slots.packed_pos]}
     mine = (slots.packed_pos >= start) & (slots.packed_pos < start + local_len)
     local_pos = slots.packed_pos[mine] - start
-    local = _token_outputs(model(**kwargs, logits_to_keep=local_pos), labels[mine], opts)
+    local = _token_outputs(model(**kwargs, logits_to_keep=local_pos).logits, labels[mine], opts)
     result = {}
     for key, vals in local.items():
         dense = vals.new_zeros(local_len).index_copy(0, local_pos, vals)
