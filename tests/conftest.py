@@ -28,3 +28,20 @@ for key, value in {
     os.environ.setdefault(key, value)
 os.makedirs(_CACHE, exist_ok=True)
 tempfile.tempdir = None
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray instance for every test that needs Ray (start-up costs seconds on 2 cores)."""
+    import ray
+
+    if ray.is_initialized():  # a test module that manages its own cluster shut it down or kept it
+        ray.shutdown()
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
+             _temp_dir=tempfile.mkdtemp(prefix="ray_", dir="/tmp"),
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    yield ray
+    ray.shutdown()

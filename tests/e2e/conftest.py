@@ -1,19 +1,11 @@
-"""End-to-end runs share one Ray instance, the cached tiny model and a small synthetic task."""
-
-import os
-import tempfile
+"""End-to-end runs share the session Ray instance, the cached tiny model and a small synthetic task."""
 
 import pytest
 
 
 @pytest.fixture(scope="session")
-def e2e_ray():
-    import ray
-
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             _temp_dir=tempfile.mkdtemp(prefix="ray_", dir="/tmp"))
-    yield ray
-    ray.shutdown()
+def e2e_ray(ray_session):
+    return ray_session
 
 
 @pytest.fixture(scope="session")

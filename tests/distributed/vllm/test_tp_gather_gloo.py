@@ -38,7 +38,7 @@ class RowWiseBackend:
         self.pad_token_id = 0
         self.calls = []
 
-    def generate(self, prompts, sampling=None):
+    def generate(self, prompts, sampling=None, call_index=None):
         ids, mask, pos, lists = read_prompts(prompts)
         self.calls.append(lists)
         responses = [[sum(t) % 50 + 2, len(t) + 2] for t in lists]
