@@ -6,9 +6,12 @@
 * DP balance: :func:`balance_batch` -> :class:`BalancePlan` (order, partitions, verl-named metrics);
 * micro-batches: :func:`plan_static_micro_batches`, :func:`min_micro_batches`,
   :func:`plan_dynamic_micro_batches`, :func:`plan_joint_micro_batches`, :func:`inverse_permutation`;
+* length bucketing: :func:`bucket_ids`, :func:`min_bucketed_micro_batches`,
+  :func:`plan_bucketed_micro_batches` (micro-batches that never mix prompt-length buckets);
 * the lockstep cost model of FSDP micro-steps: :func:`lockstep_cost`, :func:`refine_lockstep`.
 """
 
+from .bucketing import bucket_ids, min_bucketed_micro_batches, plan_bucketed_micro_batches
 from .dp_balance import BalancePlan, balance_batch, balance_metrics
 from .joint import lockstep_cost, plan_joint_micro_batches, refine_lockstep
 from .micro_batch import (
@@ -27,6 +30,9 @@ __all__ = [
     "VERL_LINEAR_COEFF",
     "Workload",
     "balance_batch",
+    "bucket_ids",
+    "min_bucketed_micro_batches",
+    "plan_bucketed_micro_batches",
     "balance_metrics",
     "greedy_partition",
     "inverse_permutation",

@@ -114,8 +114,18 @@ class MicroBatchSpec:
     use_dynamic_bsz: bool = False
     micro_batch_size_per_gpu: int | None = None
     max_token_len_per_gpu: int | None = None
+    # Dynamic only: micro-batches never mix samples from different prompt-length buckets
+    # (prompts <= b[0] tokens, <= b[1], ..., longer than b[-1]).
+    bucket_boundaries: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.bucket_boundaries is not None:
+            bounds = tuple(int(b) for b in self.bucket_boundaries)
+            if not self.use_dynamic_bsz:
+                raise ValueError("MicroBatchSpec.bucket_boundaries needs use_dynamic_bsz=True")
+            if not bounds or any(b <= 0 for b in bounds) or any(a >= b for a, b in zip(bounds, bounds[1:])):
+                raise ValueError(f"bucket_boundaries={list(bounds)} must be positive and strictly increasing")
+            object.__setattr__(self, "bucket_boundaries", bounds)
         if self.use_dynamic_bsz:
             if self.max_token_len_per_gpu is None or self.max_token_len_per_gpu < 1:
                 raise ValueError(

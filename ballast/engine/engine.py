@@ -89,6 +89,9 @@ class TrainEngine:
         self.scheduler = build_scheduler(self.optimizer, cfg.optim) if cfg.trainable else None
         self.global_step = 0
         self.skipped_steps = 0
+        self._last_micro_tokens: list[int] = []
+        # Real tokens of each micro-batch of the last forward_backward_batch, one list per DP rank.
+        self.last_micro_batch_tokens: list[list[int]] = []
 
     # ------------------------------------------------------------------ mini-batch execution
     def _preflight(self, data: TensorDict, spec: MicroBatchSpec) -> tuple[GlobalNorm, MicroBatchPlan]:
@@ -107,7 +110,10 @@ class TrainEngine:
             dist.all_reduce(counts, group=group)
         norm = GlobalNorm(num_tokens=int(counts[0]), num_sequences=int(counts[1]), response_len=response_len)
         lengths = sequence_lengths(data["attention_mask"]).cpu().numpy()
-        plan = plan_micro_batches(lengths, spec, self.parallel.sp_size, group, device)
+        prompt_width = data["input_ids"].shape[1] - data["responses"].shape[1]
+        prompt_lengths = data["attention_mask"][:, :prompt_width].sum(-1).cpu().numpy()
+        plan = plan_micro_batches(lengths, spec, self.parallel.sp_size, group, device, prompt_lengths)
+        self._last_micro_tokens = [int(lengths[idx].sum()) for idx in plan.micro_indices]
         return norm, plan
 
     def _check_sp_peers_agree(self, data: TensorDict) -> None:
@@ -179,7 +185,8 @@ class TrainEngine:
                     sums[key] = sums.get(key, 0.0) + value.to(torch.float64)
             for _ in range(plan.num_dummy):
                 self._run_dummy(seq_len, response_len, opts, backward=not forward_only)
-        result = self._sum_over_dp({key: float(value) for key, value in sums.items()})
+        result, self.last_micro_batch_tokens = self._sum_over_dp(
+            {key: float(value) for key, value in sums.items()}, self._last_micro_tokens)
         result.update(
             num_micro_batches=float(plan.num_micro_batches),
             num_dummy_micro_batches=float(plan.num_dummy),
@@ -188,16 +195,17 @@ class TrainEngine:
         )
         return result
 
-    def _sum_over_dp(self, sums: dict[str, float]) -> dict[str, float]:
+    def _sum_over_dp(self, sums: dict[str, float], micro_tokens: list[int]) -> tuple[dict[str, float], list]:
+        """Metric sums over the DP group, and every DP rank's real-token count per micro-batch."""
         if self.parallel.dp_size == 1:
-            return dict(sums)
-        gathered: list[dict] = [None] * self.parallel.dp_size  # type: ignore[list-item]
-        dist.all_gather_object(gathered, sums, group=self.parallel.dp_group)
+            return dict(sums), [list(micro_tokens)]
+        gathered: list[tuple] = [None] * self.parallel.dp_size  # type: ignore[list-item]
+        dist.all_gather_object(gathered, (sums, list(micro_tokens)), group=self.parallel.dp_group)
         total: dict[str, float] = {}
-        for part in gathered:
+        for part, _ in gathered:
             for key, value in part.items():
                 total[key] = total.get(key, 0.0) + value
-        return total
+        return total, [tokens for _, tokens in gathered]
 
     @torch.no_grad()
     def infer_batch(
@@ -227,13 +235,19 @@ class TrainEngine:
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
 
-    def optimizer_step(self) -> dict[str, float]:
-        """Clip, step (unless the grad norm is not finite), advance the schedule, zero the grads."""
+    def optimizer_step(self, grad_clip: float | None = None) -> dict[str, float]:
+        """Clip, step (unless the grad norm is not finite), advance the schedule, zero the grads.
+
+        `grad_clip` overrides `cfg.grad_clip` for this step (adaptive clipping); it must be > 0.
+        """
         if self.optimizer is None:
             raise ValueError(f"role {self.cfg.role!r} has no optimizer")
+        if grad_clip is not None and not grad_clip > 0:
+            raise ValueError(f"grad_clip override must be > 0, got {grad_clip}")
         lr = self.optimizer.param_groups[0]["lr"]
         params = [p for p in self.model.parameters() if p.requires_grad]
-        grad_norm, stepped = clip_and_step(params, self.optimizer, self.scheduler, self.cfg.grad_clip)
+        clip = grad_clip if grad_clip is not None else self.cfg.grad_clip
+        grad_norm, stepped = clip_and_step(params, self.optimizer, self.scheduler, clip)
         if stepped:
             self.global_step += 1
         else:

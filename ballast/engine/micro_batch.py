@@ -22,8 +22,11 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from ballast.balance import (
+    bucket_ids,
     inverse_permutation,
+    min_bucketed_micro_batches,
     min_micro_batches,
+    plan_bucketed_micro_batches,
     plan_dynamic_micro_batches,
     plan_static_micro_batches,
 )
@@ -48,13 +51,16 @@ class MicroBatchPlan:
         return inverse_permutation(np.concatenate(self.micro_indices))
 
 
-def _local_plan(lengths: np.ndarray, spec: MicroBatchSpec, sp_size: int) -> tuple[int, str | None]:
+def _local_plan(lengths: np.ndarray, spec: MicroBatchSpec, sp_size: int,
+                buckets: np.ndarray | None) -> tuple[int, str | None]:
     """(micro-batches this rank needs, error message or None), without raising."""
     num_rows = len(lengths)
     try:
         if spec.use_dynamic_bsz:
             if num_rows == 0:
                 return 0, None
+            if buckets is not None:
+                return min_bucketed_micro_batches(lengths, buckets, spec.token_budget(sp_size)), None
             return min_micro_batches(lengths, spec.token_budget(sp_size)), None
         return len(plan_static_micro_batches(num_rows, spec.micro_batch_size_per_gpu)), None
     except (ValueError, TypeError) as exc:
@@ -76,13 +82,20 @@ def plan_micro_batches(
     sp_size: int,
     dp_group: dist.ProcessGroup | None,
     device: torch.device = torch.device("cpu"),
+    prompt_lengths: np.ndarray | None = None,
 ) -> MicroBatchPlan:
     """Plan this rank's micro-batches so that every rank of `dp_group` runs the same number.
 
-    `lengths` are the real-token counts of this rank's rows. Collective over `dp_group`.
+    `lengths` are the real-token counts of this rank's rows; `prompt_lengths` their prompt parts,
+    needed when `spec.bucket_boundaries` is set. Collective over `dp_group`.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
-    local_count, error = _local_plan(lengths, spec, sp_size)
+    buckets = None
+    if spec.use_dynamic_bsz and spec.bucket_boundaries is not None:
+        if prompt_lengths is None:
+            raise ValueError("length bucketing needs the prompt lengths of the rows")
+        buckets = bucket_ids(prompt_lengths, spec.bucket_boundaries)
+    local_count, error = _local_plan(lengths, spec, sp_size, buckets)
     agreed_count, any_error = agree_max([local_count, int(error is not None)], dp_group, device)
     if any_error:
         where = f"this rank: {error}" if error else "another DP rank failed to plan its micro-batches"
@@ -91,7 +104,12 @@ def plan_micro_batches(
     if spec.use_dynamic_bsz:
         real = min(agreed_count, num_rows)
         budget = spec.token_budget(sp_size)
-        micro = plan_dynamic_micro_batches(lengths, budget, num_micro_batches=real) if real else []
+        if not real:
+            micro = []
+        elif buckets is not None:
+            micro = plan_bucketed_micro_batches(lengths, buckets, budget, num_micro_batches=real)
+        else:
+            micro = plan_dynamic_micro_batches(lengths, budget, num_micro_batches=real)
     else:
         micro = plan_static_micro_batches(num_rows, spec.micro_batch_size_per_gpu)
     return MicroBatchPlan(micro_indices=micro, num_dummy=agreed_count - len(micro))

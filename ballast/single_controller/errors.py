@@ -13,3 +13,7 @@ class WorkerDiedError(WorkerError):
 
 class WorkerTimeoutError(WorkerError):
     """A worker call did not finish within the configured timeout."""
+
+
+class PlacementError(RuntimeError):
+    """The cluster could not place a resource pool's bundles in time (too few nodes, CPUs or GPUs)."""

@@ -15,6 +15,8 @@ from typing import Dict, List, Optional, Sequence
 import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
+from ballast.single_controller.errors import PlacementError
+
 
 @dataclass(frozen=True)
 class Slot:
@@ -73,7 +75,7 @@ class ResourcePool:
         ready, pending = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=self.ready_timeout_s)
         if pending:
             self.remove()
-            raise RuntimeError(
+            raise PlacementError(
                 f"resource pool {self.name!r} needs {len(self.process_on_nodes)} node(s) with "
                 f"{self.process_on_nodes} bundles of {bundle}, but only {len(ready)} placement group(s) could be "
                 f"placed within {self.ready_timeout_s:.0f}s; cluster resources: {ray.cluster_resources()}"

@@ -28,6 +28,9 @@ from ballast.single_controller.resource_pool import ResourcePool
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# After one rank raises, how long to look for a peer that died: a rank whose collective partner was
+# killed fails with a socket error, and that error must not hide the death that caused it.
+PEER_DEATH_GRACE_S = 3.0
 
 
 class BatchFuture:
@@ -191,10 +194,31 @@ class RayWorkerGroup:
                 ) from None
             except RayTaskError as err:
                 detail = _ANSI.sub("", str(err))
+                died = self._dead_peer(pending, ranks, index_of, method, deadline)
+                if died is not None:
+                    last = detail.strip().splitlines()[-1] if detail.strip() else type(err).__name__
+                    raise WorkerDiedError(f"{died} (worker rank {rank} then failed: {last})") from None
                 raise WorkerError(f"{self.name}.{method} failed on worker rank {rank}:\n{detail}") from None
             except GetTimeoutError:  # pragma: no cover - ray.wait said it was ready
                 raise WorkerTimeoutError(f"{self.name}.{method}: worker rank {rank} timed out") from None
         return results
+
+    def _dead_peer(self, pending: List, ranks: List[int], index_of: Dict, method: str,
+                   deadline: Optional[float]) -> Optional[str]:
+        """The death message of a still-pending call whose worker died within the grace period, or None."""
+        grace = PEER_DEATH_GRACE_S if deadline is None else min(PEER_DEATH_GRACE_S, deadline - time.monotonic())
+        if not pending or grace <= 0:
+            return None
+        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=grace)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except RayActorError as err:
+                first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+                return f"{self.name}.{method}: worker rank {ranks[index_of[ref]]} died ({type(err).__name__}): {first}"
+            except Exception:  # another ordinary failure: the first one is reported
+                continue
+        return None
 
     def execute_all(self, method: str, *args, **kwargs) -> List[Any]:
         """Call an unregistered worker method on every worker with the same arguments."""

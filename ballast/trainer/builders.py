@@ -29,9 +29,10 @@ def engine_optim(optim: OptimConfig, total_steps: int) -> EngineOptim:
                        min_lr_ratio=optim.min_lr_ratio)
 
 
-def micro_spec(mb: MicroBatching) -> MicroBatchSpec:
+def micro_spec(mb: MicroBatching, bucket_boundaries=None) -> MicroBatchSpec:
     return MicroBatchSpec(use_dynamic_bsz=mb.use_dynamic_bsz, micro_batch_size_per_gpu=mb.micro_batch_size_per_gpu,
-                          max_token_len_per_gpu=mb.max_token_len_per_gpu)
+                          max_token_len_per_gpu=mb.max_token_len_per_gpu,
+                          bucket_boundaries=tuple(bucket_boundaries) if bucket_boundaries else None)
 
 
 def _engine(cfg: BallastConfig, role: str, model, sp: int, grad_clip: Optional[float], optim, fsdp) -> EngineConfig:
@@ -90,9 +91,10 @@ def actor_rollout_ref_spec(cfg: BallastConfig, sizes: DerivedSizes, total_steps:
     temperature = arr.rollout.temperature if arr.rollout.do_sample else 1.0
     actor_engine = _engine(cfg, "actor", arr.model, sizes.actor.sp_size, actor.grad_clip,
                            engine_optim(actor.optim, total_steps), actor.fsdp_config)
+    buckets = actor.bucket_boundaries if actor.dynamic_bsz_bucketing else None
     train = TrainLoopSpec(
         mini_batch_samples_per_rank=sizes.actor.mini_batch_samples_per_rank, ppo_epochs=actor.ppo_epochs,
-        shuffle=actor.shuffle, seed=cfg.trainer.seed, micro=micro_spec(sizes.actor.train),
+        shuffle=actor.shuffle, seed=cfg.trainer.seed, micro=micro_spec(sizes.actor.train, buckets),
         loss_fn=functools.partial(actor_loss, cfg=actor_loss_config(cfg)), temperature=temperature,
         calculate_entropy=actor.entropy_coeff > 0,
         grad_clip_min_batch_size=actor.grad_clip_min_batch_size if actor.grad_clip_adaptive else None,
@@ -103,7 +105,9 @@ def actor_rollout_ref_spec(cfg: BallastConfig, sizes: DerivedSizes, total_steps:
         ref_infer = micro_spec(sizes.ref.infer)
     _, val_sampling = sampling_configs(cfg)
     return ActorRolloutRefSpec(
-        actor=actor_engine, actor_train=train, actor_infer=micro_spec(sizes.actor.infer), rollout=rollout_config(cfg),
+        actor=actor_engine, actor_train=train,
+        actor_infer=micro_spec(sizes.actor.infer, buckets if sizes.actor.infer.use_dynamic_bsz else None),
+        rollout=rollout_config(cfg),
         rollout_val_sampling=val_sampling, ref=ref_engine, ref_infer=ref_infer, temperature=temperature,
         seed=cfg.trainer.seed, dist_timeout_s=cfg.trainer.worker_timeout_s,
     )

@@ -3,22 +3,44 @@
 Hydra composes `configs/ppo_trainer.yaml` (or `--config-name quickstart`) with verl-style overrides;
 the result is validated once into a frozen config plus derived sizes before any worker starts.
 `--cfg job` prints the composed config without running.
+
+A failed run ends with one line on stderr saying why and an exit code a scheduler can act on:
+0 done, 2 bad config or input (config, data, model, tokenizer, reward function), 3 a worker died,
+timed out or raised, 4 too many non-finite steps in a row, 5 the Ray cluster did not answer or could
+not place the workers, 1 anything else (with its traceback).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import random
+import socket
 import sys
-from typing import Optional
+import time
+from typing import Optional, Tuple
 
 import hydra
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from ballast.trainer.config import BallastConfig, ConfigError, ModelInfo, check_config, to_typed
+
+EXIT_BAD_INPUT = 2
+EXIT_WORKER_FAILED = 3
+EXIT_NONFINITE = 4
+EXIT_RAY_UNAVAILABLE = 5
+WORKERS_FILE = "workers.json"  # rank -> pid, node id and IP of every worker of the run, in the run directory
+
+
+class InputError(ConfigError):
+    """Input the config points at (data, tokenizer, reward function) is unusable; found before any worker starts."""
+
+
+class RayUnavailableError(RuntimeError):
+    """Nothing answered at `ray_init.address` within `ray_init.timeout_s`."""
 
 
 def absolute_paths(cfg: BallastConfig) -> BallastConfig:
@@ -63,8 +85,6 @@ def prepare_typed(cfg: BallastConfig):
 @contextlib.contextmanager
 def training_session(cfg: BallastConfig, sizes, raw_config: Optional[dict] = None):
     """Data, Ray, workers and trackers for one run; yields the `RayPPOTrainer` and cleans up after."""
-    import json
-
     import ray
     import torch
     from tqdm import tqdm
@@ -81,10 +101,13 @@ def training_session(cfg: BallastConfig, sizes, raw_config: Optional[dict] = Non
     np.random.seed(seed)
     torch.manual_seed(seed)
     arr = cfg.actor_rollout_ref
-    tokenizer = load_tokenizer(arr.model.tokenizer_path or arr.model.path)
-    data = RunData(cfg, tokenizer)
-    reward = RewardManager.from_config(tokenizer, cfg.custom_reward_function.path, cfg.custom_reward_function.name,
-                                       cfg.data.reward_fn_key)
+    try:
+        tokenizer = load_tokenizer(arr.model.tokenizer_path or arr.model.path)
+        data = RunData(cfg, tokenizer)
+        reward = RewardManager.from_config(tokenizer, cfg.custom_reward_function.path,
+                                           cfg.custom_reward_function.name, cfg.data.reward_fn_key)
+    except (ValueError, OSError, ImportError) as err:  # the messages name the file, row or path
+        raise InputError(str(err)) from err
     owns_ray = start_ray(cfg)
     workers = None
     tracker = Tracker(cfg.trainer.logger, cfg.trainer.project_name, cfg.trainer.experiment_name,
@@ -92,6 +115,7 @@ def training_session(cfg: BallastConfig, sizes, raw_config: Optional[dict] = Non
     try:
         print("ballast: derived sizes\n  " + "\n  ".join(sizes.summary()), flush=True)
         workers = create_workers(cfg, sizes, data.total_steps)
+        record_workers(workers, cfg.trainer.default_local_dir)
         with open(os.path.join(arr.model.path, "config.json")) as f:
             model_config = json.load(f)
         yield RayPPOTrainer(cfg, sizes, data, workers, reward, tracker, model_config)
@@ -109,35 +133,140 @@ def run(cfg: BallastConfig, sizes, raw_config: Optional[dict] = None) -> dict:
         return trainer.fit()
 
 
+def record_workers(workers, run_dir: str) -> list:
+    """Write where each worker runs (rank, pid, node id, IP) to `<run_dir>/workers.json` and say so."""
+    infos = workers.actor_rollout.execute_all("_ballast_node_info")
+    placed = [{"rank": rank, "pid": info["pid"], "node_id": info["node_id"], "node_ip": info["ip"]}
+              for rank, info in enumerate(infos)]
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, WORKERS_FILE), "w") as f:
+        json.dump(placed, f, indent=1)
+    nodes = sorted({p["node_id"] for p in placed})
+    print(f"ballast: {len(placed)} workers on {len(nodes)} node(s): " + "; ".join(
+        f"node {n[:8]} ({placed[[p['node_id'] for p in placed].index(n)]['node_ip']}) ranks "
+        f"{[p['rank'] for p in placed if p['node_id'] == n]}" for n in nodes), flush=True)
+    return placed
+
+
 def start_ray(cfg: BallastConfig) -> bool:
-    """Connect to `ray_init.address` or start a local instance; True if this call started Ray."""
+    """Connect to `ray_init.address` or start a local instance; True if this call started Ray.
+
+    Ray's own token authentication is left on (Ray's default for a new local instance): a local
+    Ray's gRPC ports listen on every interface, and without the token anyone who can reach them can
+    run code. Tests and the quickstart opt out with RAY_AUTH_MODE=disabled.
+    """
     import tempfile
 
     import ray
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    r = cfg.ray_init
+    if r.address:
+        probe_ray_address(r.address, r.timeout_s)
     if ray.is_initialized():
         return False
-    r = cfg.ray_init
     if r.address:
         ray.init(address=r.address, log_to_driver=True)
         return True
     world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     num_cpus = r.num_cpus or max(os.cpu_count() or 1, world)
-    ray.init(num_cpus=num_cpus, include_dashboard=False, dashboard_host=r.dashboard_host,
+    # address="local": always a fresh instance, even when RAY_ADDRESS is set by a parent process.
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, dashboard_host=r.dashboard_host,
              _temp_dir=tempfile.mkdtemp(prefix="ray_", dir="/tmp"))
     return True
 
 
-@hydra.main(config_path="../configs", config_name="ppo_trainer", version_base=None)
-def _hydra_main(raw: DictConfig) -> None:
+def _host_port(address: str) -> Tuple[str, int]:
+    target = address.split("://", 1)[-1].rstrip("/")
+    host, sep, port = target.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ConfigError(f"ray_init.address={address!r} must be 'auto', host:port or ray://host:port")
+    return host.strip("[]"), int(port)
+
+
+def probe_ray_address(address: str, timeout_s: float) -> None:
+    """Fail within `timeout_s`, naming the address, when nothing listens there.
+
+    `ray.init(address=...)` on an address where nothing answers keeps retrying for minutes; a TCP
+    connect to the GCS port tells the same thing in milliseconds (or after `timeout_s` when a
+    firewall drops the packets).
+    """
+    if address == "auto":
+        address = os.environ.get("RAY_ADDRESS", "")
+        if not address:
+            return  # Ray resolves "auto" from this machine's session file and fails at once if there is none
+    host, port = _host_port(address)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(remaining, 5.0))):
+                return
+        except OSError as err:
+            if time.monotonic() + 0.5 >= deadline:
+                raise RayUnavailableError(
+                    f"ray_init.address={address!r}: nothing answered at {host}:{port} within {timeout_s:g}s "
+                    f"(ray_init.timeout_s) ({err.strerror or type(err).__name__}); start the head with "
+                    "scripts/ray_cluster.sh head, or fix the address"
+                ) from None
+            time.sleep(0.5)
+
+
+def failure(err: BaseException) -> Tuple[int, str]:
+    """The exit code and one-line reason for an error that ends a run."""
+    from ballast.single_controller import PlacementError, WorkerError
+    from ballast.trainer.ray_trainer import NonFiniteStepsError
+    from ballast.trainer.reward import RewardFunctionError
+
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
+    if isinstance(err, ConfigError):
+        kind = "invalid input" if isinstance(err, InputError) else "invalid config"
+        return EXIT_BAD_INPUT, f"{kind}: {' '.join(lines)}"
+    if isinstance(err, RewardFunctionError):
+        return EXIT_BAD_INPUT, f"reward function: {lines[0]}"
+    if isinstance(err, WorkerError):
+        # a remote exception: its first line names group, method and rank, its last line the error
+        reason = f"{lines[0]} {lines[-1]}" if _is_remote_exception(err) and len(lines) > 1 else lines[0]
+        return EXIT_WORKER_FAILED, f"worker failure: {reason}"
+    if isinstance(err, NonFiniteStepsError):
+        return EXIT_NONFINITE, f"training stopped: {lines[0]}"
+    if isinstance(err, (RayUnavailableError, PlacementError)):
+        return EXIT_RAY_UNAVAILABLE, f"ray cluster: {lines[0]}"
+    return 1, f"{type(err).__name__}: {lines[0]}"
+
+
+def _is_remote_exception(err: BaseException) -> bool:
+    from ballast.single_controller import WorkerError
+
+    return type(err) is WorkerError
+
+
+def cli_run(raw: DictConfig) -> int:
+    """Validate and run one composed config; returns the process exit code (see the module docstring)."""
     try:
         cfg, sizes = prepare(raw)
-    except ConfigError as err:
-        print(f"ballast: invalid config: {err}", file=sys.stderr)
-        sys.exit(2)
-    run(cfg, sizes, OmegaConf.to_container(raw, resolve=True))
+        run(cfg, sizes, OmegaConf.to_container(raw, resolve=True))
+        return 0
+    except KeyboardInterrupt:
+        print("ballast: interrupted", file=sys.stderr, flush=True)
+        return 130
+    except Exception as err:
+        code, reason = failure(err)
+        if code == 1:
+            import traceback
+
+            traceback.print_exc()
+        elif _is_remote_exception(err):
+            print(str(err), file=sys.stderr)  # the worker's traceback, for debugging
+        print(f"ballast: {reason}", file=sys.stderr, flush=True)
+        return code
+
+
+@hydra.main(config_path="../configs", config_name="ppo_trainer", version_base=None)
+def _hydra_main(raw: DictConfig) -> None:
+    code = cli_run(raw)
+    if code:
+        sys.exit(code)
 
 
 def main() -> None:

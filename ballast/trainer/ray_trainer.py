@@ -25,6 +25,10 @@ from ballast.trainer.checkpointing import CheckpointManager, rng_state, set_rng_
 from ballast.trainer.config import BallastConfig, DerivedSizes
 from ballast.trainer.data_setup import RunData
 from ballast.trainer.metrics import data_metrics, throughput_metrics
+from ballast.trainer.monitor import (
+    DynamicBatchVisualizer, balancer_line, micro_batch_metrics, monitor_lines, rank_load_metrics, should_report,
+)
+from ballast.workers.train_loop import MICRO_TOKENS_KEY
 from ballast.trainer.reward import RewardManager
 from ballast.trainer.roles import Workers
 from ballast.trainer.tracking import Tracker
@@ -49,6 +53,12 @@ class RayPPOTrainer:
         self.total_steps = data.total_steps
         self.global_step = 0
         self._nonfinite_in_a_row = 0
+        self._step_view: Dict[str, object] = {}  # what the monitor needs from the current step
+        self.visualizer = None
+        if cfg.trainer.enable_monitor:
+            self.visualizer = DynamicBatchVisualizer(
+                os.path.join(tracker.run_dir, "dynamic_batch_plots"), plot_interval=cfg.trainer.monitor_interval,
+                token_budget=sizes.actor.train.micro_token_budget)
         self._resumed_from: Optional[str] = None
         self._resume_checked = False
 
@@ -99,11 +109,14 @@ class RayPPOTrainer:
                 metrics.update(self.compute_advantages(batch))
             if self.sizes.use_critic:
                 with _timer(timing, "update_critic"):
-                    metrics.update(self.workers.critic.update_critic(batch)[0])
+                    critic_metrics = self.workers.critic.update_critic(batch)[0]
+                    critic_metrics.pop(MICRO_TOKENS_KEY, None)
+                    metrics.update(critic_metrics)
             if step > self.cfg.trainer.critic_warmup:
                 with _timer(timing, "update_actor"):
                     metrics.update(self.update_actor(batch))
         metrics.update(data_metrics(batch, self.cfg.data.max_response_length, self.sizes.use_critic))
+        self.report_monitor(step)
         metrics.update({f"timing_s/{k}": v for k, v in timing.items()})
         metrics.update(throughput_metrics(batch, timing["step"], self.workers.world_size))
         metrics["training/global_step"] = float(step)
@@ -135,10 +148,12 @@ class RayPPOTrainer:
             metrics = dict(plan.metrics)
         else:  # report what balancing would have done, but keep the order
             metrics = {k: v for k, v in plan.metrics.items() if "balanced" not in k}
+        raw, balanced = per_rank_tokens(lengths, plan.partitions, dp)
+        if not self.cfg.trainer.balance_batch:
+            balanced = raw
+        metrics.update(rank_load_metrics(raw, balanced))
+        self._step_view = {"lengths": lengths, "raw": raw, "balanced": balanced, "dp": dp}
         if step == 1 or step % 10 == 0 or step == self.total_steps:
-            raw, balanced = per_rank_tokens(lengths, plan.partitions, dp)
-            if not self.cfg.trainer.balance_batch:
-                balanced = raw
             path = os.path.join(self.tracker.run_dir, "charts", f"balance_step_{step}.png")
             self.tracker.log_images({"balance/per_rank_tokens": save_balance_chart(path, raw, balanced, step)}, step)
         return metrics
@@ -179,6 +194,9 @@ class RayPPOTrainer:
 
     def update_actor(self, batch: Batch) -> Dict[str, float]:
         metrics = self.workers.actor_rollout.update_actor(batch)[0]
+        micro_tokens = metrics.pop(MICRO_TOKENS_KEY, [])
+        self._step_view["micro_tokens"] = micro_tokens
+        metrics.update(micro_batch_metrics(micro_tokens))
         if metrics.get("actor/step_skipped", 0.0) >= 1.0:
             self._nonfinite_in_a_row += 1
             limit = self.cfg.trainer.max_consecutive_nonfinite_steps
@@ -191,6 +209,21 @@ class RayPPOTrainer:
             self._nonfinite_in_a_row = 0
         metrics["perf/num_micro_batches"] = metrics.pop("actor/num_micro_batches", float("nan"))
         return metrics
+
+    def report_monitor(self, step: int) -> None:
+        """The tuning guide's monitor lines and plots (trainer.enable_monitor), at step 1 and every interval."""
+        view = self._step_view
+        if self.visualizer is None or not view:
+            return
+        micro = view.get("micro_tokens", [])
+        self.visualizer.record(step, micro, view["lengths"], view["raw"], view["balanced"])
+        if should_report(step, self.cfg.trainer.monitor_interval):
+            samples = [len(view["lengths"]) // view["dp"]] * view["dp"]
+            for line in monitor_lines(micro) + [balancer_line(samples, view["balanced"])]:
+                self.tracker.console(line)
+            images = self.visualizer.maybe_plot(step)
+            if images:
+                self.tracker.log_images({f"dynamic_batch/{k}": v for k, v in images.items()}, step)
 
     def validate(self) -> Dict[str, float]:
         """Greedy generation on the whole validation set; mean score per data_source."""

@@ -2,7 +2,8 @@
 
 The score function is the built-in one for the sample's `data_source` (see `ballast.data.rewards`) or
 `custom_reward_function.path/name`. A function that raises or returns something that is not a finite
-number (or a dict with a "score") is an error naming the row and data source; nothing is skipped.
+number (or a dict with a "score") is a `RewardFunctionError` naming the row, data source and what
+the function returned; nothing is skipped.
 """
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ import torch
 
 from ballast.data import default_compute_score, load_custom_reward_fn, validate_score
 from ballast.protocol import Batch
+
+
+class RewardFunctionError(ValueError):
+    """The score function raised, or returned something that is not a finite score."""
 
 
 class RewardManager:
@@ -43,10 +48,13 @@ class RewardManager:
             try:
                 raw = self.compute_score(sources[i], text, truths[i], extra_infos[i])
             except Exception as err:
-                raise ValueError(
+                raise RewardFunctionError(
                     f"reward function failed on row {i} (data_source {sources[i]!r}): {type(err).__name__}: {err}"
                 ) from err
-            result = validate_score(raw, index=i, data_source=str(sources[i]))
+            try:
+                result = validate_score(raw, index=i, data_source=str(sources[i]))
+            except ValueError as err:
+                raise RewardFunctionError(str(err)) from None
             if length > 0:
                 scores[i, length - 1] = result["score"]
             for key, value in result.items():

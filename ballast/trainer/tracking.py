@@ -71,6 +71,10 @@ class Tracker:
         if "console" in self.loggers:
             self._console(format_console(clean, step))
 
+    def console(self, line: str) -> None:
+        """A line for the user's terminal (above the progress bar), whatever loggers are configured."""
+        self._console(line)
+
     def log_images(self, images: Dict[str, str], step: int) -> None:
         """PNG files (already saved in the run directory) as wandb/tensorboard images."""
         if self._wandb is not None:

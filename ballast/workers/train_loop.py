@@ -39,9 +39,17 @@ def adaptive_grad_clip(grad_clip: float, num_samples: int, min_batch_size: int |
     return grad_clip * num_samples / min_batch_size
 
 
-def run_train_loop(engine, data: TensorDict, spec: TrainLoopSpec, dp_rank: int, prefix: str) -> Dict[str, float]:
-    """Train on `data` (this rank's share of the step); returns metrics averaged over mini-batches."""
+MICRO_TOKENS_KEY = "micro_batch_tokens_per_rank"
+
+
+def run_train_loop(engine, data: TensorDict, spec: TrainLoopSpec, dp_rank: int, prefix: str) -> Dict[str, object]:
+    """Train on `data` (this rank's share of the step).
+
+    Returns metrics averaged over mini-batches, plus, under `MICRO_TOKENS_KEY`, the real tokens of
+    every micro-batch each DP rank ran during the whole update (one list per DP rank).
+    """
     history: Dict[str, List[float]] = defaultdict(list)
+    micro_tokens: List[List[int]] = []
     indices = mini_batch_indices(data.batch_size[0], spec.mini_batch_samples_per_rank, spec.ppo_epochs,
                                  spec.shuffle, spec.seed + dp_rank)
     for rows in indices:
@@ -51,7 +59,11 @@ def run_train_loop(engine, data: TensorDict, spec: TrainLoopSpec, dp_rank: int, 
         clip = None
         if spec.grad_clip_min_batch_size is not None and engine.cfg.grad_clip is not None:
             clip = adaptive_grad_clip(engine.cfg.grad_clip, int(out["num_sequences"]), spec.grad_clip_min_batch_size)
-        step = engine.optimizer_step(**({"grad_clip": clip} if clip is not None else {}))
+        step = engine.optimizer_step(grad_clip=clip)
+        for rank, tokens in enumerate(engine.last_micro_batch_tokens):
+            if rank == len(micro_tokens):
+                micro_tokens.append([])
+            micro_tokens[rank].extend(tokens)
         for key, value in out.items():
             name = key if "/" in key else f"{prefix}/{key}"
             history[name].append(value)
@@ -60,4 +72,6 @@ def run_train_loop(engine, data: TensorDict, spec: TrainLoopSpec, dp_rank: int, 
         history[f"{prefix}/step_skipped"].append(step["step_skipped"])
         if clip is not None:
             history[f"{prefix}/grad_clip_effective"].append(clip)
-    return {key: float(np.mean(values)) for key, values in history.items()}
+    result: Dict[str, object] = {key: float(np.mean(values)) for key, values in history.items()}
+    result[MICRO_TOKENS_KEY] = micro_tokens
+    return result

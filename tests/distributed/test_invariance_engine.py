@@ -105,6 +105,10 @@ def _specs(local_rows: int, lengths: np.ndarray, sp: int):
         "static-all": MicroBatchSpec(micro_batch_size_per_gpu=local_rows),
         "dynamic-tight": MicroBatchSpec(use_dynamic_bsz=True, max_token_len_per_gpu=tight),
         "dynamic-loose": MicroBatchSpec(use_dynamic_bsz=True, max_token_len_per_gpu=loose),
+        # length bucketing (the tuning guide's dynamic_bsz_bucketing): no micro-batch mixes prompt
+        # lengths <= 8, 9..24 and > 24 tokens
+        "dynamic-bucketed": MicroBatchSpec(use_dynamic_bsz=True, max_token_len_per_gpu=max(tight, loose // 3),
+                                           bucket_boundaries=(8, 24)),
     }
 
 
@@ -157,7 +161,7 @@ def test_loss_and_gradient_equal_the_single_process_reference(problem, dp, sp):
     spawn_ranks(_invariance_worker, dp * sp, args=(root, model_dir, sp), timeout_s=240)
     with open(os.path.join(root, f"results_{dp * sp}_{sp}.json")) as f:
         results = json.load(f)
-    expected_runs = ((2 if sp == 1 else 1) * 5 + 1) * len(LOSS_AGG_MODES)
+    expected_runs = ((2 if sp == 1 else 1) * 6 + 1) * len(LOSS_AGG_MODES)
     assert len(results) == expected_runs
     failures = []
     for r in results:
@@ -174,3 +178,4 @@ def test_loss_and_gradient_equal_the_single_process_reference(problem, dp, sp):
     assert any(r["checkpointing"] for r in results)
     assert counts["static-1"] == NUM_SAMPLES // dp and counts["static-all"] == 1
     assert counts["dynamic-tight"] > counts["dynamic-loose"]
+    assert counts["dynamic-bucketed"] >= 3 > counts["dynamic-loose"]  # three buckets, never mixed

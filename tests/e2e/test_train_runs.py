@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 
 import pytest
 
@@ -38,12 +39,29 @@ def _assert_finite(metrics, keys):
     assert not bad, f"non-finite metrics {bad}"
 
 
-def test_grpo_run_trains_and_reports_every_metric(session, tmp_path):
-    with session("grpo", "trainer.balance_keep_groups=True") as trainer:
+MONITOR = re.compile(r"DynamicBatchMonitor: dp_rank_[01] - avg_tokens=\d+, max_tokens=\d+, min_tokens=\d+, "
+                     r"batch_count=\d+")
+
+
+def test_grpo_run_trains_and_reports_every_metric(session, tmp_path, capfd):
+    extra = ["trainer.balance_keep_groups=True", "trainer.enable_monitor=True", "trainer.monitor_interval=2",
+             "actor_rollout_ref.actor.dynamic_bsz_bucketing=True", "actor_rollout_ref.actor.bucket_boundaries=[16,24]",
+             "actor_rollout_ref.actor.grad_clip_adaptive=True", "actor_rollout_ref.actor.grad_clip_min_batch_size=16"]
+    with session("grpo", *extra) as trainer:
         before = trainer.workers.actor_rollout.actor_state_fingerprint()[0]
         metrics = trainer.fit()
         after = trainer.workers.actor_rollout.actor_state_fingerprint()[0]
-    _assert_finite(metrics, REQUIRED)
+    _assert_finite(metrics, REQUIRED + ["perf/micro_batch_tokens/avg", "perf/micro_batch_tokens/max",
+                                        "perf/micro_batch_tokens/min", "balance/rank_0/tokens", "balance/rank_1/tokens"])
+    # adaptive clipping: 8 samples per mini-batch < grad_clip_min_batch_size=16 halves grad_clip=1.0
+    assert metrics["actor/grad_clip_effective"] == pytest.approx(0.5)
+    assert metrics["perf/micro_batch_tokens/max"] <= 128  # the hard token cap (ppo_max_token_len_per_gpu)
+    captured = capfd.readouterr()
+    out = captured.out + captured.err
+    assert len(MONITOR.findall(out)) == 4, out[-2000:]  # steps 1 and 2, both DP ranks
+    assert "DeviceMeshBalancer: dp_rank_0 assigned 8 samples" in out
+    plots = os.listdir(os.path.join(tmp_path, "grpo", "dynamic_batch_plots"))
+    assert {"rank_load.png", "micro_batch_tokens_step_2.png", "sample_lengths_step_2.png"} <= set(plots)
     assert before != pytest.approx(after, rel=1e-9, abs=0), "actor parameters did not change"
     rows = [json.loads(line) for line in open(os.path.join(tmp_path, "grpo", "metrics.jsonl"))]
     assert [r["step"] for r in rows] == [1, 2]
