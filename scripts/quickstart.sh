@@ -19,7 +19,7 @@ if [[ ! -f "$QS/model/config.json" ]]; then
 fi
 if [[ ! -f "$QS/data/train.parquet" ]]; then
   echo "[quickstart] writing the synthetic repeat task to $QS/data"
-  python examples/data/make_synthetic.py --out "$QS/data" --train-size 1024 --val-size 64 --k-median 8 --k-max 60
+  python examples/data/make_synthetic.py --out "$QS/data" --train-size 2048 --val-size 64 --k-median 8 --k-max 60 --symbols '#'
 fi
 RUN_DIR=outputs/quickstart
 echo "[quickstart] training GRPO on CPU; metrics in $RUN_DIR/metrics.jsonl"
