@@ -1,0 +1,163 @@
+"""Faults: a worker killed mid-run stops the driver fast, naming the rank, and `resume_mode=auto`
+continues from the last checkpoint; a rank failing because its peer died is reported as the death;
+non-finite steps are skipped, counted and stop the run after `max_consecutive_nonfinite_steps`."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from ballast.single_controller import Dispatch, Worker, register
+from ballast.trainer.config import load_config
+from ballast.trainer.main import EXIT_WORKER_FAILED
+from ballast.trainer.ray_trainer import NonFiniteStepsError, RayPPOTrainer
+
+from e2e_helpers import overrides
+
+SECRETS = {"WANDB_API_KEY": "wandb-secret-3f9a1c", "HF_TOKEN": "hf_secret_77b2e0", "OPENAI_API_KEY": "sk-secret-0d4e"}
+
+
+# ---------------------------------------------------------------------- non-finite steps (driver logic)
+class _FakeActorGroup:
+    def __init__(self, skipped):
+        self.skipped = list(skipped)
+        self.saved, self.loaded = [], []
+
+    def update_actor(self, batch):
+        return [{"actor/step_skipped": self.skipped.pop(0), "actor/pg_loss": 0.1, "actor/num_micro_batches": 2.0}]
+
+    def save_checkpoint(self, path):
+        self.saved.append(path)
+
+    def load_checkpoint(self, path):
+        self.loaded.append(path)
+
+
+def _driver(tmp_path, skipped, limit, *extra):
+    cfg = load_config(overrides({"model": "/m", "train": "/t.parquet", "val": "/v.parquet"}, str(tmp_path),
+                                f"trainer.max_consecutive_nonfinite_steps={limit}", "trainer.balance_workload=tokens",
+                                *extra))
+    data = SimpleNamespace(total_steps=10, state_dict=lambda: {"epoch": 0, "position": 0},
+                           load_state_dict=lambda state: None)
+    workers = SimpleNamespace(actor_rollout=_FakeActorGroup(skipped), critic=None)
+    return RayPPOTrainer(cfg, sizes=None, data=data, workers=workers, reward=None, tracker=None, model_config={})
+
+
+def test_nonfinite_steps_in_a_row_stop_the_run_at_the_limit(tmp_path):
+    trainer = _driver(tmp_path, [1.0, 1.0, 0.0, 1.0, 1.0, 1.0], limit=3)
+    for _ in range(5):  # two skipped, a good step resets the streak, then two more skipped: still running
+        metrics = trainer.update_actor(batch=None)
+        assert "actor/step_skipped" in metrics and metrics["perf/num_micro_batches"] == 2.0
+    assert trainer._nonfinite_in_a_row == 2
+    with pytest.raises(NonFiniteStepsError, match=r"3 actor updates in a row .*max_consecutive_nonfinite_steps=3"):
+        trainer.update_actor(batch=None)
+
+
+def test_nonfinite_streak_survives_a_checkpoint(tmp_path):
+    trainer = _driver(tmp_path, [1.0, 1.0], limit=3)
+    trainer.update_actor(batch=None)
+    trainer.update_actor(batch=None)
+    trainer.global_step = 2
+    path = trainer.save_checkpoint()
+    assert json.load(open(os.path.join(path, "trainer_state.json")))["nonfinite_in_a_row"] == 2
+    resumed = _driver(tmp_path, [1.0], 3, "trainer.resume_mode=auto")
+    assert resumed.resume() == path and resumed.global_step == 2
+    with pytest.raises(NonFiniteStepsError):  # the streak continues: a third skipped update in a row
+        resumed.update_actor(batch=None)
+
+
+# ---------------------------------------------------------------------- a peer's death is the root cause
+class PeerWorker(Worker):
+    """Rank 0 fails at once the way a collective fails when its partner vanishes; rank 1 then dies."""
+
+    @register(Dispatch.ONE_TO_ALL)
+    def boom(self):
+        if self.rank == 0:
+            raise ConnectionError("gloo: Connection closed by peer [127.0.0.1]:29500")
+        time.sleep(0.5)
+        os._exit(1)
+
+
+def test_rank_failing_after_its_peer_died_reports_the_death(e2e_ray):
+    from ballast.single_controller import RayWorkerGroup, ResourcePool, WorkerDiedError
+
+    e2e_ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import this file
+    pool = ResourcePool([2], use_gpu=False, name=f"peer_death_{os.getpid()}")
+    group = RayWorkerGroup(pool, PeerWorker, name="peers", timeout_s=60)
+    try:
+        with pytest.raises(WorkerDiedError, match=r"peers\.boom: worker rank 1 died .*worker rank 0 then failed: "
+                                                  r".*Connection closed by peer"):
+            group.boom()
+    finally:
+        group.kill()
+        pool.remove()
+
+
+# ---------------------------------------------------------------------- kill a worker, then resume
+def _trainer(task, run_dir, *extra):
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(SECRETS, RAY_AUTH_MODE="disabled", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    args = overrides(task, run_dir, "actor_rollout_ref.rollout.n=2", "trainer.save_freq=1", "ray_init.num_cpus=2",
+                     "trainer.worker_timeout_s=60", *extra)
+    return subprocess.Popen([sys.executable, "-m", "ballast.trainer.main", *args], cwd=run_dir, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _latest_step(run_dir):
+    marker = Path(run_dir, "latest_checkpointed_iteration.txt")
+    return int(marker.read_text().strip()) if marker.is_file() and marker.read_text().strip() else 0
+
+
+@pytest.mark.slow
+def test_killed_worker_stops_the_run_naming_the_rank_and_resume_continues(tiny_task, tmp_path):
+    run_dir = str(tmp_path / "faulty")
+    os.makedirs(run_dir)
+    proc = _trainer(tiny_task, run_dir, "trainer.total_training_steps=3")
+    try:
+        deadline = time.monotonic() + 240
+        while _latest_step(run_dir) < 1 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert proc.poll() is None, f"the run ended before the kill:\n{proc.communicate()[1][-3000:]}"
+        victim = json.load(open(os.path.join(run_dir, "workers.json")))[1]
+        os.kill(victim["pid"], signal.SIGKILL)
+        killed_at = time.monotonic()
+        _, stderr = proc.communicate(timeout=90)
+        exit_s = time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == EXIT_WORKER_FAILED, stderr[-3000:]
+    assert exit_s < 60, f"the driver took {exit_s:.0f}s to notice (trainer.worker_timeout_s=60)"
+    reason = [line for line in stderr.splitlines() if line.startswith("ballast: ")]
+    assert reason and re.search(r"worker failure: actor_rollout_ref\.\w+: worker rank 1 died", reason[-1]), stderr[-3000:]
+    saved = _latest_step(run_dir)
+    assert saved >= 1 and os.path.isfile(os.path.join(run_dir, f"global_step_{saved}", "trainer_state.json"))
+
+    logged_before = [json.loads(line)["step"] for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    resumed = _trainer(tiny_task, run_dir, "trainer.total_training_steps=3", "trainer.resume_mode=auto")
+    out, err = resumed.communicate(timeout=240)
+    assert resumed.returncode == 0, err[-3000:]
+    assert f"resumed from {os.path.join(run_dir, f'global_step_{saved}')} at step {saved}" in out
+    steps = [json.loads(line)["step"] for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    assert steps[len(logged_before):] == list(range(saved + 1, 4)), "resume must redo only the steps after it"
+    assert all(step <= saved for step in logged_before), "a step was logged without its checkpoint"
+    _assert_no_secrets(run_dir, out + err + stderr)
+
+
+def _assert_no_secrets(run_dir, console):
+    """No API key from the environment may reach the run directory (configs, metrics, checkpoints) or the logs."""
+    leaks = []
+    for path in Path(run_dir).rglob("*"):
+        if path.is_file():
+            blob = path.read_bytes()
+            leaks += [f"{path}: {name}" for name, value in SECRETS.items() if value.encode() in blob]
+    leaks += [f"console: {name}" for name, value in SECRETS.items() if value in console]
+    assert not leaks, leaks

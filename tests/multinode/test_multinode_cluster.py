@@ -1,0 +1,96 @@
+"""A GRPO run spanning two Ray nodes (head + worker node on this machine, started by
+scripts/ray_cluster.sh with token auth): both nodes host a worker, the metrics equal a one-node run
+of the same world size and seed, the `ray job submit` example works, and the dashboard stays on
+loopback."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from cluster_helpers import ROOT, base_env, metric_rows, run_trainer
+
+pytestmark = pytest.mark.slow
+
+COMPARED = ["critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/ppo_kl", "actor/entropy",
+            "response_length/mean", "global_seqlen/balanced_max", "actor/lr"]
+
+
+def tiny_overrides(task, run_dir):
+    return [
+        f"actor_rollout_ref.model.path={task['model']}", f"data.train_files={task['train']}",
+        f"trainer.default_local_dir={run_dir}", "data.max_prompt_length=32", "data.max_response_length=24",
+        "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.actor.use_dynamic_bsz=True", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=128",
+        "actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.rollout.name=hf", "algorithm.adv_estimator=grpo",
+        "trainer.device=cpu", "trainer.logger=[jsonl]", "trainer.val_before_train=false",
+        "trainer.resume_mode=disable", "trainer.total_training_steps=3", "trainer.worker_timeout_s=300",
+        "trainer.seed=7",
+    ]
+
+
+def _check(proc, what):
+    assert proc.returncode == 0, f"{what} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+
+
+def _assert_same_metrics(rows, reference):
+    assert [r["step"] for r in rows] == [r["step"] for r in reference] == [1, 2, 3]
+    for row, ref in zip(rows, reference):
+        for key in COMPARED:
+            assert row[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), (row["step"], key)
+
+
+@pytest.fixture(scope="module")
+def one_node_reference(multinode_task, tmp_path_factory):
+    """The same run on one node (a fresh local Ray in the subprocess): nnodes=1 x 2 workers."""
+    run_dir = str(tmp_path_factory.mktemp("one_node"))
+    proc = run_trainer(tiny_overrides(multinode_task, run_dir) + [
+        "trainer.nnodes=1", "trainer.n_gpus_per_node=2", "ray_init.num_cpus=2"],
+        cwd=run_dir, env=base_env({"RAY_AUTH_MODE": "disabled"}))
+    _check(proc, "one-node run")
+    placed = json.load(open(os.path.join(run_dir, "workers.json")))
+    assert len({p["node_id"] for p in placed}) == 1
+    return metric_rows(run_dir)
+
+
+def test_run_spans_both_nodes_and_matches_a_one_node_run(two_node_cluster, multinode_task, one_node_reference,
+                                                         tmp_path):
+    run_dir = str(tmp_path / "two_nodes")
+    proc = run_trainer(tiny_overrides(multinode_task, run_dir) + [
+        "trainer.nnodes=2", "trainer.n_gpus_per_node=1", f"ray_init.address={two_node_cluster.address}"],
+        cwd=str(tmp_path), env=two_node_cluster.env)
+    _check(proc, "two-node run")
+    placed = json.load(open(os.path.join(run_dir, "workers.json")))
+    cluster_nodes = {n["node_id"] for n in two_node_cluster.nodes}
+    assert [p["rank"] for p in placed] == [0, 1]
+    assert {p["node_id"] for p in placed} == cluster_nodes, "each node of the cluster must host one worker"
+    assert "2 workers on 2 node(s)" in proc.stdout
+    _assert_same_metrics(metric_rows(run_dir), one_node_reference)
+
+
+def test_ray_job_submit_example_runs_on_the_cluster(two_node_cluster, multinode_task, one_node_reference, tmp_path):
+    run_dir = str(tmp_path / "job")
+    env = dict(two_node_cluster.env, RAY_DASHBOARD=two_node_cluster.dashboard_url, MODEL=multinode_task["model"],
+               TRAIN_FILES=multinode_task["train"], NNODES="2", GPUS_PER_NODE="1", RUN_DIR=run_dir,
+               BALLAST_PYTHON=sys.executable)
+    extra = [o for o in tiny_overrides(multinode_task, run_dir) if not o.startswith(("actor_rollout_ref.model.path",
+                                                                                      "data.train_files"))]
+    proc = subprocess.run(["bash", str(ROOT / "examples" / "ray_job_grpo.sh"), *extra], cwd=str(tmp_path), env=env,
+                          capture_output=True, text=True, timeout=300)
+    _check(proc, "ray job submit")
+    assert "2 workers on 2 node(s)" in proc.stdout + proc.stderr
+    _assert_same_metrics(metric_rows(run_dir), one_node_reference)
+
+
+def test_dashboard_listens_on_loopback_only(two_node_cluster):
+    with socket.create_connection(("127.0.0.1", two_node_cluster.dashboard_port), timeout=5):
+        pass
+    external = {n["ip"] for n in two_node_cluster.nodes} - {"127.0.0.1"}
+    if not external:
+        pytest.skip("this machine advertises no address other than loopback")
+    for ip in external:  # the machine's routable address: nothing may answer there
+        with pytest.raises(OSError):
+            socket.create_connection((ip, two_node_cluster.dashboard_port), timeout=2).close()
