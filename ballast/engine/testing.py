@@ -33,33 +33,14 @@ def build_tiny_causal_lm(
     tie_word_embeddings: bool = False,
 ) -> str:
     """Save a random Qwen2ForCausalLM (head_dim = hidden / heads) into `path`; returns `path`."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from ballast.models import save_random_qwen2
 
-    config = Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=hidden_size // num_heads,
-        max_position_embeddings=max_positions,
-        tie_word_embeddings=tie_word_embeddings,
-        use_cache=False,
+    save_random_qwen2(
+        path, seed=seed, vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        head_dim=hidden_size // num_heads, max_position_embeddings=max_positions,
+        tie_word_embeddings=tie_word_embeddings, use_cache=False,
     )
-    from transformers.utils import logging as hf_logging
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config).float()
-    # A progress bar starts tqdm's monitor thread, after which forking ranks is no longer safe.
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        model.save_pretrained(path)
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
     return path
 
 

@@ -95,14 +95,33 @@ def settings_hash(settings: dict) -> str:
     return digest.hexdigest()[:12]
 
 
+def save_random_qwen2(out_dir: str | os.PathLike, *, seed: int = 0, **config_fields):
+    """Save a random-init float32 Qwen2ForCausalLM built from `Qwen2Config(**config_fields)` (weights only).
+
+    The one place Ballast makes random models: the tiny presets below, and the smaller models the
+    engine and rollout tests size for themselves. The caller's global RNG stream is not moved.
+    Returns the model.
+    """
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(**config_fields)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config).to(torch.float32)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    with _quiet_progress_bars():
+        model.save_pretrained(out_dir)
+    return model
+
+
 def build_tiny_model(out_dir: str | os.PathLike, *, preset: str = "tiny", seed: int = 0, **overrides) -> Path:
     """Write a random-init Qwen2ForCausalLM and its tokenizer into `out_dir`; return the path.
 
     `overrides` replace Qwen2Config fields of the preset (e.g. `num_hidden_layers=3`) or the
     tokenizer size (`tokenizer_vocab_size`). Same settings and seed give identical weights.
     """
-    import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import GenerationConfig
 
     settings = resolve_settings(preset, seed, **overrides)
     out = Path(out_dir)
@@ -111,7 +130,8 @@ def build_tiny_model(out_dir: str | os.PathLike, *, preset: str = "tiny", seed: 
     model_fields = {k: v for k, v in settings.items() if k not in ("preset", "seed", "builder_version", "tokenizer_vocab_size")}
     tokenizer = train_tokenizer(training_corpus(seed=0), settings["tokenizer_vocab_size"])
     tokenizer.model_max_length = model_fields["max_position_embeddings"]
-    config = Qwen2Config(
+    model = save_random_qwen2(
+        out, seed=seed,
         vocab_size=len(tokenizer),  # exact: ids the tokenizer cannot decode must never be sampled
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -120,12 +140,7 @@ def build_tiny_model(out_dir: str | os.PathLike, *, preset: str = "tiny", seed: 
         architectures=["Qwen2ForCausalLM"],
         **model_fields,
     )
-    # fork_rng: building a model must not move the caller's global RNG stream.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config).to(torch.float32)
-    with _quiet_progress_bars():
-        model.save_pretrained(out)
+    config = model.config
     save_tokenizer(tokenizer, out)
     # Only token ids: vLLM takes sampling defaults (temperature, top_k, ...) from this file, and RL
     # rollouts must sample from the unmodified policy.

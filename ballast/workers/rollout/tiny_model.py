@@ -4,15 +4,11 @@ No weights can be downloaded here, and vLLM needs a real model directory (config
 safetensors; with `skip_tokenizer_init` no tokenizer). head_dim must be >= 32 for vLLM's CPU
 attention. The default init std (0.2, vs 0.02 in transformers) makes next-token distributions
 peaked, so greedy decoding has clear winners and HF and vLLM can be compared token by token.
-Once `ballast.models` ships its tiny-model helper, callers may switch to it; this one stays
-because its sizes are tuned for the rollout tests (vocab small enough for fast CPU logprobs).
+The sizes are tuned for the rollout tests (vocab small enough for fast CPU logprobs); the model
+itself is made by `ballast.models.save_random_qwen2`.
 """
 
 from __future__ import annotations
-
-import os
-
-import torch
 
 
 def build_tiny_qwen2(
@@ -33,30 +29,15 @@ def build_tiny_qwen2(
     seed: int = 0,
 ) -> str:
     """Write a random float32 Qwen2ForCausalLM to `path` (created if needed) and return `path`."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from ballast.models import save_random_qwen2
 
     if head_dim < 32:
         raise ValueError(f"head_dim={head_dim} must be >= 32 (vLLM's CPU attention rejects smaller heads)")
-    config = Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        num_hidden_layers=num_hidden_layers,
-        num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads,
-        head_dim=head_dim,
-        intermediate_size=intermediate_size,
-        max_position_embeddings=max_position_embeddings,
-        initializer_range=init_std,
-        tie_word_embeddings=tie_word_embeddings,
-        eos_token_id=eos_token_id,
-        bos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-        dtype="float32",
+    save_random_qwen2(
+        path, seed=seed, vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads, head_dim=head_dim,
+        intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
+        initializer_range=init_std, tie_word_embeddings=tie_word_embeddings, eos_token_id=eos_token_id,
+        bos_token_id=eos_token_id, pad_token_id=pad_token_id,
     )
-    # A private generator keeps the caller's global RNG stream untouched.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
-    os.makedirs(path, exist_ok=True)
-    model.save_pretrained(path)
     return path
