@@ -87,6 +87,10 @@ class RLDataset(torch.utils.data.Dataset):
             filtered, truncated, longest = filtered + counts[0], truncated + counts[1], max(longest, counts[2])
         self.stats = DatasetStats(read, len(self._samples), filtered, truncated, longest)
         self._log_stats()
+        if not self._samples:
+            why = (f"all {read} prompts are longer than max_prompt_length={max_prompt_length} (truncation='filter')"
+                   if filtered else "the file(s) hold no rows")
+            raise ValueError(f"no prompts in data file(s) {[str(p) for p in self.files]}: {why}")
 
     def _add_file(self, path: Path, rows: list[dict], tokenizer) -> tuple[int, int, int]:
         """Validate, template and tokenize one file's rows; returns (filtered, truncated, longest)."""

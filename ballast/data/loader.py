@@ -69,7 +69,7 @@ class StatefulDataLoader:
         if drop_last and num_samples < batch_size:
             raise ValueError(
                 f"dataset has {num_samples} samples < batch_size={batch_size} with drop_last=True: "
-                "an epoch would have no batch"
+                "an epoch would have no batch (lower the batch size, e.g. data.train_batch_size, or add data)"
             )
         if num_samples == 0:
             raise ValueError("dataset is empty")

@@ -245,6 +245,8 @@ class RayPPOTrainer:
     def save_checkpoint(self) -> str:
         def save_workers(path: str) -> None:
             self.workers.actor_rollout.save_checkpoint(path)
+            # A complete Hugging Face directory of the actor, loadable without Ballast (or by vLLM).
+            self.workers.actor_rollout.export_hf(os.path.join(path, "actor_hf"))
             if self.workers.critic is not None:
                 self.workers.critic.save_checkpoint(path)
 

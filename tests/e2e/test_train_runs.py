@@ -91,6 +91,10 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(session, tmp_path):
     with session("resumed", "trainer.total_training_steps=2", "trainer.save_freq=2") as trainer:
         trainer.fit()
     ckpt_root = os.path.join(tmp_path, "resumed")
+    exported = os.path.join(ckpt_root, "global_step_2", "actor_hf")
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(exported) is not None  # the checkpoint's HF export loads
     # a save that crashed half-way must not be picked up
     os.makedirs(os.path.join(ckpt_root, ".tmp_global_step_3", "actor"))
     with session("resumed", "trainer.total_training_steps=3", "trainer.resume_mode=auto") as trainer:

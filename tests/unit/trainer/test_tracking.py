@@ -1,0 +1,38 @@
+"""Tracking backends write what they promise, and secrets never reach the config dump."""
+
+import json
+import os
+
+from ballast.trainer.tracking import Tracker, format_console, redact
+
+
+def test_jsonl_tensorboard_console_and_redaction(tmp_path):
+    lines = []
+    config = {"trainer": {"project_name": "p"}, "wandb_api_key": "sk-123", "nested": {"hf_token": "t", "ok": 1}}
+    tracker = Tracker(["console", "jsonl", "tensorboard"], "p", "e", str(tmp_path), config=config,
+                      console=lines.append)
+    tracker.log({"critic/score/mean": 0.25, "actor/pg_loss": float("nan")}, step=3)
+    tracker.finish()
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert rows == [{"step": 3, "critic/score/mean": 0.25, "actor/pg_loss": "nan"}]
+    assert lines == ["step 3 | critic/score/mean=0.25 | actor/pg_loss=nan"]
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "tensorboard"))
+    dumped = json.load(open(tmp_path / "config.json"))
+    assert dumped["wandb_api_key"] == "***" and dumped["nested"]["hf_token"] == "***"
+    assert dumped["nested"]["ok"] == 1 and "sk-123" not in (tmp_path / "config.json").read_text()
+
+
+def test_wandb_runs_offline_without_an_api_key(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc with a wandb entry
+    tracker = Tracker(["wandb"], "ballast-test", "offline-run", str(tmp_path / "run"), config={"a": 1})
+    assert tracker._wandb.settings.mode == "offline"
+    tracker.log({"x": 1.0}, step=1)
+    tracker.finish()
+    assert os.path.isdir(tmp_path / "run" / "wandb")
+
+
+def test_redact_and_console_format():
+    assert redact({"password": None, "list": [{"secret": 1}]}) == {"password": None, "list": [{"secret": "***"}]}
+    assert format_console({"timing_s/step": 1.23456}, 7) == "step 7 | timing_s/step=1.235"
