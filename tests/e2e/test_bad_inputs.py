@@ -142,12 +142,12 @@ def test_bad_input_is_one_clear_line_and_an_exit_code(name, extra, code, fragmen
 
 
 def test_cluster_too_small_for_the_layout_fails_within_the_timeout(e2e_ray, tiny_task, tmp_path, capsys):
-    extra = ["trainer.n_gpus_per_node=8", "data.train_batch_size=8", "actor_rollout_ref.rollout.n=2",
-             "actor_rollout_ref.actor.ppo_mini_batch_size=8", "ray_init.timeout_s=2"]
+    extra = ["trainer.n_gpus_per_node=64", "data.train_batch_size=32", "actor_rollout_ref.rollout.n=2",
+             "actor_rollout_ref.actor.ppo_mini_batch_size=32", "ray_init.timeout_s=2"]
     start = time.monotonic()
     code, lines = _cli(capsys, tiny_task, str(tmp_path), extra)
     assert code == EXIT_RAY_UNAVAILABLE, lines[-10:]
-    assert re.search(r"ray cluster: resource pool .* needs 1 node\(s\) with \[8\] bundles of \{'CPU': 1\.0\}, but only 0 "
+    assert re.search(r"ray cluster: resource pool .* needs 1 node\(s\) with \[64\] bundles of \{'CPU': 1\.0\}, but only 0 "
                      r"placement group\(s\) could be placed within 2s", lines[-1]), lines[-1]
     assert time.monotonic() - start < 30
 

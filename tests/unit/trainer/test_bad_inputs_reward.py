@@ -1,0 +1,63 @@
+"""A custom reward function that raises or returns the wrong thing stops the run with an error naming
+the row, the data source and the value (never a skipped sample), and the command line maps it to
+exit code 2."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from ballast.protocol import Batch
+from ballast.trainer.main import EXIT_BAD_INPUT, failure
+from ballast.trainer.reward import RewardFunctionError, RewardManager
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from ballast.models import load_tokenizer, tiny_model_dir
+
+    return load_tokenizer(tiny_model_dir())
+
+
+def _batch(num_rows=3):
+    responses = torch.tensor([[5, 6, 7, 0]] * num_rows)
+    mask = torch.tensor([[1, 1, 1, 0]] * num_rows)
+    sources = np.array(["src/a", "src/b", "src/c"][:num_rows], dtype=object)
+    reward_model = np.empty(num_rows, dtype=object)
+    for i in range(num_rows):
+        reward_model[i] = {"ground_truth": "x"}
+    return Batch({"responses": responses, "response_mask": mask}, {"data_source": sources, "reward_model": reward_model})
+
+
+def _score_on_row(bad_row, bad_value):
+    def score(data_source, solution_str, ground_truth, extra_info=None):
+        if data_source == f"src/{'abc'[bad_row]}":
+            if isinstance(bad_value, Exception):
+                raise bad_value
+            return bad_value
+        return 0.5
+    return score
+
+
+@pytest.mark.parametrize("bad_value, fragment", [
+    (ZeroDivisionError("division by zero"),
+     r"reward function failed on row 1 \(data_source 'src/b'\): ZeroDivisionError: division by zero"),
+    ([0.1, 0.2], r"reward for row 1 \(data_source 'src/b'\) must be a finite number, got list \[0\.1, 0\.2\]"),
+    (np.array([0.5, 0.5]), r"row 1 \(data_source 'src/b'\) must be a finite number, got ndarray"),
+    (math.nan, r"reward for row 1 \(data_source 'src/b'\) must be finite, got nan"),
+    ({"acc": 1.0}, r"row 1 \(data_source 'src/b'\) is a dict without a 'score' key: keys \['acc'\]"),
+    ("1.0", r"must be a finite number, got str '1\.0'"),
+], ids=["raises", "list", "array", "nan", "dict without score", "string"])
+def test_bad_reward_function_result_names_row_source_and_value(tokenizer, bad_value, fragment):
+    manager = RewardManager(tokenizer, _score_on_row(1, bad_value))
+    with pytest.raises(RewardFunctionError, match=fragment) as info:
+        manager(_batch())
+    code, line = failure(info.value)
+    assert code == EXIT_BAD_INPUT and line.startswith("reward function: ") and "\n" not in line
+
+
+def test_good_reward_function_scores_every_row_on_its_last_token(tokenizer):
+    scores, _ = RewardManager(tokenizer, _score_on_row(0, 0.25))(_batch())
+    assert scores[:, 2].tolist() == [0.25, 0.5, 0.5]
+    assert float(scores.sum()) == pytest.approx(1.25)
