@@ -1,0 +1,108 @@
+"""The launch scripts parse, refuse bad arguments before touching Ray, and gpu_smoke.sh refuses to run
+(exit 2, saying why) on a machine without a usable NVIDIA GPU; the Dockerfile keeps its promises."""
+
+import os
+import re
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = [ROOT / "scripts" / "ray_cluster.sh", ROOT / "scripts" / "gpu_smoke.sh", ROOT / "examples" / "ray_job_grpo.sh"]
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=[p.name for p in SCRIPTS])
+def test_script_parses_and_is_executable(script):
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    assert script.stat().st_mode & stat.S_IXUSR
+
+
+def _run(args, env=None, path=None):
+    env = dict(os.environ if env is None else env)
+    if path is not None:
+        env["PATH"] = path
+    return subprocess.run(["bash", *map(str, args)], env=env, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("args, fragment", [
+    ([], "usage:"),
+    (["nodes"], "unknown role 'nodes'"),
+    (["worker"], "worker needs --address HEAD_IP:PORT"),
+    (["worker", "--address", "headnode"], "--address must be HOST:PORT, got 'headnode'"),
+    (["head", "--num-cpus", "two"], "--num-cpus must be a whole number, got 'two'"),
+    (["head", "--port", "63x"], "--port must be a whole number, got '63x'"),
+    (["head", "--auth", "maybe"], "--auth must be 'token' or 'disabled', got 'maybe'"),
+    (["head", "--address", "h:1"], "--address is for 'worker'"),
+    (["head", "--bogus"], "unknown option '--bogus'"),
+])
+def test_ray_cluster_rejects_bad_arguments_before_starting_ray(args, fragment):
+    proc = _run([ROOT / "scripts" / "ray_cluster.sh", *args])
+    assert proc.returncode == 2, proc.stderr
+    assert fragment in proc.stderr
+
+
+def test_worker_with_token_auth_and_no_token_says_how_to_get_one(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    env["HOME"] = str(tmp_path)  # no ~/.ray/auth_token there
+    proc = _run([ROOT / "scripts" / "ray_cluster.sh", "worker", "--address", "127.0.0.1:6379"], env=env)
+    assert proc.returncode == 2
+    assert "no token here: copy the head's ~/.ray/auth_token, or export RAY_AUTH_TOKEN" in proc.stderr
+
+
+def test_worker_gives_up_when_the_head_never_answers():
+    proc = _run([ROOT / "scripts" / "ray_cluster.sh", "worker", "--address", "127.0.0.1:1", "--auth", "disabled",
+                 "--wait-s", "1"])
+    assert proc.returncode == 2
+    assert "the head did not answer at 127.0.0.1:1 within 1s" in proc.stderr
+
+
+def _fake_bin(tmp_path, nvidia_smi_body):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "nvidia-smi"
+    fake.write_text(f"#!/bin/bash\n{nvidia_smi_body}\n")
+    fake.chmod(0o755)
+    return f"{bin_dir}{os.pathsep}/usr/bin{os.pathsep}/bin"
+
+
+def test_gpu_smoke_refuses_without_nvidia_smi():
+    if shutil.which("nvidia-smi", path="/usr/bin:/bin"):
+        pytest.skip("this machine has nvidia-smi")
+    proc = _run([ROOT / "scripts" / "gpu_smoke.sh"], path="/usr/bin:/bin")
+    assert proc.returncode == 2
+    assert "nvidia-smi not found: this script needs an NVIDIA GPU machine" in proc.stderr
+
+
+def test_gpu_smoke_refuses_when_nvidia_smi_fails(tmp_path):
+    path = _fake_bin(tmp_path, 'echo "NVIDIA-SMI has failed because it couldn\'t communicate with the driver"; exit 9')
+    proc = _run([ROOT / "scripts" / "gpu_smoke.sh"], path=path)
+    assert proc.returncode == 2
+    assert "nvidia-smi failed, no usable GPU" in proc.stderr
+
+
+def test_gpu_smoke_refuses_when_torch_sees_no_cuda(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("torch sees a CUDA device here")
+    path = _fake_bin(tmp_path, 'echo "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)"')
+    proc = _run([ROOT / "scripts" / "gpu_smoke.sh"], path=f"{Path(sys.executable).parent}{os.pathsep}{path}")
+    assert proc.returncode == 2
+    assert "sees no CUDA device" in proc.stderr
+
+
+def test_dockerfile_promises():
+    text = (ROOT / "Dockerfile").read_text()
+    base = re.search(r"^ARG CUDA_IMAGE=(\S+)", text, re.M).group(1)
+    assert re.fullmatch(r"nvidia/cuda:\d+\.\d+\.\d+-devel-ubuntu\d\d\.\d\d", base), base  # pinned, never :latest
+    assert re.search(r'pip install "vllm==[\d.]+"', text) and "flash-attn" in text
+    assert 'pip install -e ".[gpu,test]"' in text
+    users = re.findall(r"^USER (\S+)", text, re.M)
+    assert users and users[-1] not in ("root", "0")
+    assert re.search(r'^ENTRYPOINT \["python", "-m", "ballast.trainer.main"\]', text, re.M)
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {".venv", ".cache", ".git", "checkpoints", "outputs"} <= set(ignored)
