@@ -65,6 +65,7 @@ class RayPPOTrainer:
     # ------------------------------------------------------------------ the loop
     def fit(self) -> Dict[str, float]:
         self.resume()
+        self.tracker.rewind(self.global_step)
         t = self.cfg.trainer
         last: Dict[str, float] = {}
         if t.val_before_train and self.data.val is not None and self.global_step == 0:

@@ -53,10 +53,25 @@ class Tracker:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=os.path.join(run_dir, "tensorboard"))
+        self._jsonl_path = os.path.join(run_dir, "metrics.jsonl")
         if "jsonl" in self.loggers:
-            self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)
+            self._jsonl = open(self._jsonl_path, "a", buffering=1)
         with open(os.path.join(run_dir, "config.json"), "w") as f:
             json.dump(safe_config, f, indent=2, default=str)
+
+    def rewind(self, step: int) -> None:
+        """Make metrics.jsonl describe this run: keep only the rows up to `step`, the step a resumed run
+        continues from (0 for a fresh start), so steps replayed after a crash are not listed twice."""
+        if self._jsonl is None:
+            return
+        self._jsonl.close()
+        keep = []
+        if step > 0 and os.path.isfile(self._jsonl_path):
+            with open(self._jsonl_path) as f:
+                keep = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+        with open(self._jsonl_path, "w") as f:
+            f.writelines(keep)
+        self._jsonl = open(self._jsonl_path, "a", buffering=1)
 
     def log(self, metrics: Dict[str, float], step: int) -> None:
         clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}

@@ -36,3 +36,18 @@ def test_wandb_runs_offline_without_an_api_key(tmp_path, monkeypatch):
 def test_redact_and_console_format():
     assert redact({"password": None, "list": [{"secret": 1}]}) == {"password": None, "list": [{"secret": "***"}]}
     assert format_console({"timing_s/step": 1.23456}, 7) == "step 7 | timing_s/step=1.235"
+
+
+def test_rewind_keeps_the_rows_a_resumed_run_continues_from(tmp_path):
+    tracker = Tracker(["jsonl"], "p", "e", str(tmp_path))
+    for step in (0, 1, 2, 3):
+        tracker.log({"x": float(step)}, step=step)
+    tracker.rewind(2)  # resumed from the step-2 checkpoint: step 3 will be produced again
+    tracker.log({"x": 30.0}, step=3)
+    tracker.finish()
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [(r["step"], r["x"]) for r in rows] == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 30.0)]
+    fresh = Tracker(["jsonl"], "p", "e", str(tmp_path))
+    fresh.rewind(0)  # a fresh run in the same directory starts a new file
+    fresh.finish()
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
