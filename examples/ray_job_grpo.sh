@@ -15,8 +15,8 @@
 #   RUN_DIR          trainer.default_local_dir (default: $PWD/checkpoints/ray_job_grpo)
 #   BALLAST_PYTHON   the Python that runs the driver on the head (default: python)
 #   NO_WAIT=1        return once the job is submitted; follow it with `ray job logs -f <id>`
-# Extra arguments are hydra overrides and win over the ones below. The exit code is the job's
-# (`ray job submit` waits for it): non-zero when the run fails.
+# Extra arguments are hydra overrides and win over the ones below. `ray job submit` waits for the job
+# and exits non-zero when it fails (NO_WAIT=1 aside).
 set -euo pipefail
 : "${MODEL:?set MODEL to a local Hugging Face model directory present on every node}"
 : "${TRAIN_FILES:?set TRAIN_FILES to the training parquet/jsonl file(s) present on every node}"
