@@ -48,7 +48,7 @@ record() { NAMES+=("$1"); RESULTS+=("$2"); SECONDS_TAKEN+=("$3"); NOTES+=("$4");
 
 # --- 1. gpu-marked tests -------------------------------------------------------------------------
 start=$SECONDS
-timeout 150 "$PY" -m pytest -m gpu -q -p no:cacheprovider tests >"$OUT/pytest_gpu.log" 2>&1
+timeout 110 "$PY" -m pytest -m gpu -q -p no:cacheprovider tests >"$OUT/pytest_gpu.log" 2>&1
 rc=$?
 tail -3 "$OUT/pytest_gpu.log"
 summary="$(grep -E '(passed|failed|error|skipped|no tests ran)' "$OUT/pytest_gpu.log" | tail -1)"
@@ -62,7 +62,7 @@ RUN="$OUT/grpo"
 {
   "$PY" -m ballast.models.tiny --out "$OUT/model" --preset tiny --seed 0 &&
   "$PY" examples/data/make_synthetic.py --out "$OUT/data" --train-size 64 --val-size 8 &&
-  timeout 150 "$PY" -m ballast.trainer.main \
+  timeout 120 "$PY" -m ballast.trainer.main \
     "actor_rollout_ref.model.path=$OUT/model" "data.train_files=$OUT/data/train.parquet" \
     "trainer.default_local_dir=$RUN" trainer.device=cuda "trainer.n_gpus_per_node=$WORKERS" \
     actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.gpu_memory_utilization=0.3 \
@@ -103,7 +103,7 @@ start=$SECONDS
 if [[ -f benchmarks/engine_bench.py ]]; then
   extra=()
   "$PY" benchmarks/engine_bench.py --help 2>/dev/null | grep -q -- '--device' && extra=(--device cuda)
-  timeout 90 "$PY" benchmarks/engine_bench.py --json "$OUT/engine_bench.json" "${extra[@]}" >"$OUT/engine_bench.log" 2>&1
+  timeout 60 "$PY" benchmarks/engine_bench.py --json "$OUT/engine_bench.json" "${extra[@]}" >"$OUT/engine_bench.log" 2>&1
   rc=$?
   note="$("$PY" -c "import json,sys; d=json.load(open(sys.argv[1])); print({k: v for k, v in d.items() if 'tokens_per_s' in k or 'speedup' in k})" "$OUT/engine_bench.json" 2>/dev/null || tail -1 "$OUT/engine_bench.log")"
   [[ ${#extra[@]} -eq 0 ]] && note="(CPU path: the bench has no --device) $note"
