@@ -98,8 +98,12 @@ class LocalCluster:
     def start(self, timeout_s: float = 150.0) -> "LocalCluster":
         head = ["--port", str(self.port), "--temp-dir", self.temp_dir]
         head += ["--dashboard-port", str(self.dashboard_port)] if self.dashboard else ["--no-dashboard"]
-        self._spawn("head", *head)
-        self._spawn("worker", "--address", self.address, "--wait-s", str(int(timeout_s)))
+        # Ray's fixed default ports (dashboard agent 52365, client server 10001) may be held by another Ray
+        # on this machine (the tests/e2e session instance), and both nodes here share one machine.
+        self._spawn("head", *head, "--", f"--dashboard-agent-listen-port={free_port()}",
+                    f"--ray-client-server-port={free_port()}")
+        self._spawn("worker", "--address", self.address, "--wait-s", str(int(timeout_s)), "--",
+                    f"--dashboard-agent-listen-port={free_port()}")
         out = subprocess.run([sys.executable, "-c", _NODES_SNIPPET, self.address, "2", str(timeout_s)],
                              env=self.env, capture_output=True, text=True, timeout=timeout_s + 60)
         line = [x for x in out.stdout.splitlines() if x.startswith("NODES=")]
