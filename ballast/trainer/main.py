@@ -141,10 +141,10 @@ def record_workers(workers, run_dir: str) -> list:
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, WORKERS_FILE), "w") as f:
         json.dump(placed, f, indent=1)
-    nodes = sorted({p["node_id"] for p in placed})
-    print(f"ballast: {len(placed)} workers on {len(nodes)} node(s): " + "; ".join(
-        f"node {n[:8]} ({placed[[p['node_id'] for p in placed].index(n)]['node_ip']}) ranks "
-        f"{[p['rank'] for p in placed if p['node_id'] == n]}" for n in nodes), flush=True)
+    ip_of = {p["node_id"]: p["node_ip"] for p in placed}
+    ranks_on = {node: [p["rank"] for p in placed if p["node_id"] == node] for node in ip_of}
+    print(f"ballast: {len(placed)} workers on {len(ip_of)} node(s): "
+          + "; ".join(f"node {node[:8]} ({ip_of[node]}) ranks {ranks}" for node, ranks in ranks_on.items()), flush=True)
     return placed
 
 
