@@ -1,6 +1,8 @@
 """Multi-node tests: one two-node Ray cluster (head + worker node on this machine) for the module, and
 the tiny model and task. Nothing here initialises Ray in the pytest process."""
 
+import shutil
+
 import pytest
 
 from cluster_helpers import LocalCluster
@@ -15,6 +17,7 @@ def two_node_cluster():
         cluster.stop()
         left = cluster.leftover_processes()
         assert not left, f"cluster processes survived the teardown: {left}"
+        shutil.rmtree(cluster.temp_dir, ignore_errors=True)  # Ray's session logs; kept when the check fails
 
 
 @pytest.fixture(scope="module")
