@@ -235,17 +235,6 @@ def failure(err: BaseException) -> Tuple[int, str]:
     return 1, f"{type(err).__name__}: {lines[0]}"
 
 
-def _close_progress_bars() -> None:
-    """End an interrupted progress bar's line, so the reason gets a line of its own and is the last one."""
-    try:
-        from tqdm import tqdm
-
-        for bar in list(getattr(tqdm, "_instances", [])):
-            bar.close()
-    except Exception:  # cosmetic only: never hide the real error
-        pass
-
-
 def _is_remote_exception(err: BaseException) -> bool:
     from ballast.single_controller import WorkerError
 
@@ -263,7 +252,6 @@ def cli_run(raw: DictConfig) -> int:
         return 130
     except Exception as err:
         code, reason = failure(err)
-        _close_progress_bars()
         if code == 1:
             import traceback
 

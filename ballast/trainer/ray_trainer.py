@@ -71,21 +71,24 @@ class RayPPOTrainer:
         if t.val_before_train and self.data.val is not None and self.global_step == 0:
             self.tracker.log(self.validate(), step=0)
         bar = tqdm(total=self.total_steps, initial=self.global_step, desc="training", unit="step", dynamic_ncols=True)
-        while self.global_step < self.total_steps:
-            step = self.global_step + 1
-            prompts = self.data.next_prompts(step)
-            metrics = self.train_step(prompts, step)
-            self.global_step = step
-            if self.data.val is not None and t.test_freq > 0 and (step % t.test_freq == 0 or step == self.total_steps):
-                metrics.update(self.validate())
-            if t.save_freq > 0 and (step % t.save_freq == 0 or step == self.total_steps):
-                self.save_checkpoint()
-            self.tracker.log(metrics, step=step)
-            bar.update(1)
-            bar.set_postfix({k.split("/")[-2] if k.endswith("mean") else k.split("/")[-1]: f"{metrics[k]:.3f}"
-                             for k in ("critic/score/mean", "actor/pg_loss") if k in metrics})
-            last = metrics
-        bar.close()
+        try:
+            while self.global_step < self.total_steps:
+                step = self.global_step + 1
+                metrics = self.train_step(self.data.next_prompts(step), step)
+                self.global_step = step
+                if self.data.val is not None and t.test_freq > 0 and (step % t.test_freq == 0 or step == self.total_steps):
+                    metrics.update(self.validate())
+                # Log before saving: a crash during the save then loses no metrics row (a resume
+                # drops the rows after its checkpoint and produces them again).
+                self.tracker.log(metrics, step=step)
+                if t.save_freq > 0 and (step % t.save_freq == 0 or step == self.total_steps):
+                    self.save_checkpoint()
+                bar.update(1)
+                bar.set_postfix({k.split("/")[-2] if k.endswith("mean") else k.split("/")[-1]: f"{metrics[k]:.3f}"
+                                 for k in ("critic/score/mean", "actor/pg_loss") if k in metrics})
+                last = metrics
+        finally:
+            bar.close()
         return last
 
     def train_step(self, prompts: Batch, step: int) -> Dict[str, float]:

@@ -14,7 +14,10 @@ import os
 import re
 from typing import Dict, Iterable, List, Optional
 
-_SECRET = re.compile(r"(key|token|secret|password|passwd|auth)", re.IGNORECASE)
+# Whole-word endings only: `wandb_api_key`, `hf_token`, `password` are secrets; config keys such as
+# `ppo_max_token_len_per_gpu` or `prompt_key` are not.
+_SECRET = re.compile(r"(^|_)(api_?key|access_?key|secret(_key)?|token|password|passwd|auth|credentials?)$",
+                     re.IGNORECASE)
 
 
 def redact(value):

@@ -70,6 +70,7 @@ def run_train_loop(engine, data: TensorDict, spec: TrainLoopSpec, dp_rank: int, 
         history[f"{prefix}/grad_norm"].append(step["grad_norm"])
         history[f"{prefix}/lr"].append(step["lr"])
         history[f"{prefix}/step_skipped"].append(step["step_skipped"])
+        history[f"{prefix}/skipped_steps_total"].append(step["skipped_steps"])
         if clip is not None:
             history[f"{prefix}/grad_clip_effective"].append(clip)
     result: Dict[str, object] = {key: float(np.mean(values)) for key, values in history.items()}

@@ -35,6 +35,11 @@ def test_wandb_runs_offline_without_an_api_key(tmp_path, monkeypatch):
 
 def test_redact_and_console_format():
     assert redact({"password": None, "list": [{"secret": 1}]}) == {"password": None, "list": [{"secret": "***"}]}
+    ordinary = {"prompt_key": "prompt", "reward_fn_key": "data_source", "ppo_max_token_len_per_gpu": 4096,
+                "max_num_batched_tokens": 8192, "log_prob_max_token_len_per_gpu": 1024}
+    assert redact(ordinary) == ordinary
+    secrets = {"WANDB_API_KEY": "a", "hf_token": "b", "aws_access_key": "c", "db_password": "d", "auth": "e"}
+    assert set(redact(secrets).values()) == {"***"}
     assert format_console({"timing_s/step": 1.23456}, 7) == "step 7 | timing_s/step=1.235"
 
 
