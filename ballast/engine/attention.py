@@ -168,7 +168,10 @@ def ballast_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers attention signature: q (B, H, L, D), k/v (B, H_kv, L, D) -> ((B, L, H, D), None)."""
     if sliding_window is not None:
-        raise NotImplementedError(f"{ATTN_IMPLEMENTATION} does not implement sliding-window attention")
+        raise ValueError(
+            f"the model uses sliding-window attention (window {sliding_window}), which {ATTN_IMPLEMENTATION} does not "
+            "support: set use_sliding_window=false in the model's config.json or use_remove_padding=False"
+        )
     ctx: PackedAttentionContext | None = kwargs.pop(CONTEXT_KWARG, None)
     if attention_mask is not None:
         if ctx is not None and ctx.sp_group is not None:
