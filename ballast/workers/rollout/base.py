@@ -259,3 +259,35 @@ class RolloutBackend(Protocol):
     def shutdown(self) -> None:
         """Release the engine; see the backend's notes on process groups."""
         ...
+
+
+@dataclass(frozen=True)
+class GenerateCall:
+    """What every backend's `generate` starts from, after the checks they share."""
+
+    sampling: SamplingConfig
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    token_lists: list
+    call_index: int
+
+
+def start_generate_call(backend, prompts: TensorDict, sampling: SamplingConfig | None,
+                        call_index: int | None) -> GenerateCall:
+    """Validate sampling and prompts against `backend`, record the input digest, number the call.
+
+    `call_index=None` takes the next number of the backend's own counter; a caller may pin it (the
+    trainer passes the training step, so a resumed run draws the same seeds).
+    """
+    from .postprocess import check_token_range, input_digest, read_prompts
+
+    sampling = sampling or backend.config.sampling
+    check_sampling_for_engine(backend.config, sampling)
+    input_ids, attention_mask, position_ids, token_lists = read_prompts(prompts)
+    check_token_range(token_lists, backend.vocab_size)
+    backend.last_input_digest = input_digest(token_lists, repr(sampling))
+    if call_index is None:
+        call_index = backend._num_calls
+    backend._num_calls += 1
+    return GenerateCall(sampling, input_ids, attention_mask, position_ids, token_lists, call_index)

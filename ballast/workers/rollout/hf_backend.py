@@ -26,11 +26,11 @@ from .base import (
     CALL_SEED_STRIDE,
     RolloutConfig,
     SamplingConfig,
-    check_sampling_for_engine,
     resolve_special_tokens,
+    start_generate_call,
     stop_ids_for,
 )
-from .postprocess import build_rollout_output, check_token_range, input_digest, read_prompts
+from .postprocess import build_rollout_output
 
 
 def apply_sampling_filters(scores: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
@@ -115,15 +115,10 @@ class HFBackend:
     def generate(
         self, prompts: TensorDict, sampling: SamplingConfig | None = None, call_index: int | None = None
     ) -> TensorDict:
-        sampling = sampling or self.config.sampling
-        check_sampling_for_engine(self.config, sampling)
-        input_ids, attention_mask, position_ids, token_lists = read_prompts(prompts)
-        check_token_range(token_lists, self.vocab_size)
+        call = start_generate_call(self, prompts, sampling, call_index)
+        sampling, call_index = call.sampling, call.call_index
+        input_ids, attention_mask, position_ids = call.input_ids, call.attention_mask, call.position_ids
         stop = stop_ids_for(sampling, self.eos_token_ids)
-        self.last_input_digest = input_digest(token_lists, repr(sampling))
-        if call_index is None:  # the caller may pin the seed stream (e.g. to the training step)
-            call_index = self._num_calls
-        self._num_calls += 1
 
         width = input_ids.shape[1]
         processor = _SamplingProcessor(sampling, width, record=sampling.calculate_log_probs)

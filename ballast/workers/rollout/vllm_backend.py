@@ -39,11 +39,11 @@ from .base import (
     CALL_SEED_STRIDE,
     RolloutConfig,
     SamplingConfig,
-    check_sampling_for_engine,
     resolve_special_tokens,
+    start_generate_call,
     stop_ids_for,
 )
-from .postprocess import build_rollout_output, check_token_range, input_digest, read_prompts
+from .postprocess import build_rollout_output
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
@@ -193,10 +193,9 @@ class VLLMBackend:
     ) -> TensorDict:
         from vllm.inputs import TokensPrompt
 
-        sampling = sampling or self.config.sampling
-        check_sampling_for_engine(self.config, sampling)
-        input_ids, attention_mask, position_ids, token_lists = read_prompts(prompts)
-        check_token_range(token_lists, self.vocab_size)
+        call = start_generate_call(self, prompts, sampling, call_index)
+        sampling, call_index, token_lists = call.sampling, call.call_index, call.token_lists
+        input_ids, attention_mask, position_ids = call.input_ids, call.attention_mask, call.position_ids
         for row, tokens in enumerate(token_lists):
             if len(tokens) + sampling.max_response_length > self.max_model_len:
                 raise ValueError(
@@ -204,10 +203,6 @@ class VLLMBackend:
                     f"{sampling.max_response_length} exceed max_model_len={self.max_model_len}"
                 )
         self._require_awake()
-        self.last_input_digest = input_digest(token_lists, repr(sampling))
-        if call_index is None:  # the caller may pin the seed stream (e.g. to the training step)
-            call_index = self._num_calls
-        self._num_calls += 1
         responses: list[list[int]] = []
         log_probs: list[list[float]] | None = [] if sampling.calculate_log_probs else None
         if token_lists:
