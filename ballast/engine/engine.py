@@ -25,6 +25,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 from torch.distributed.tensor import DTensor
 
+from ballast.balance import FlopsModel
 from ballast.engine import checkpoint as ckpt
 from ballast.engine.config import EngineConfig, MicroBatchSpec
 from ballast.engine.dist import ParallelState, build_parallel_state, init_distributed, resolve_device_type
@@ -69,6 +70,13 @@ def _check_batch(data: TensorDict) -> str | None:
     return None
 
 
+def _flops_model(config):
+    try:
+        return FlopsModel.from_hf_config(config.to_dict())
+    except ValueError:  # a config without the usual fields: fall back to balancing tokens
+        return "tokens"
+
+
 class TrainEngine:
     """Load, parallelise and run one model. Collective: every rank of the mesh makes the same calls."""
 
@@ -85,6 +93,9 @@ class TrainEngine:
             )
         self.parallel = parallel
         self.model = parallelize(load_model(cfg.model_path, cfg.role, cfg.trust_remote_code, seed), parallel, cfg)
+        # Dynamic micro-batches are balanced by this model's forward FLOPs (linear + causal attention),
+        # so long samples count for what they cost, not just for their tokens.
+        self.workload = _flops_model(self.model.config)
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim) if cfg.trainable else None
         self.scheduler = build_scheduler(self.optimizer, cfg.optim) if cfg.trainable else None
         self.global_step = 0
@@ -112,7 +123,7 @@ class TrainEngine:
         lengths = sequence_lengths(data["attention_mask"]).cpu().numpy()
         prompt_width = data["input_ids"].shape[1] - data["responses"].shape[1]
         prompt_lengths = data["attention_mask"][:, :prompt_width].sum(-1).cpu().numpy()
-        plan = plan_micro_batches(lengths, spec, self.parallel.sp_size, group, device, prompt_lengths)
+        plan = plan_micro_batches(lengths, spec, self.parallel.sp_size, group, device, prompt_lengths, self.workload)
         self._last_micro_tokens = [int(lengths[idx].sum()) for idx in plan.micro_indices]
         return norm, plan
 

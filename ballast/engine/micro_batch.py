@@ -30,6 +30,7 @@ from ballast.balance import (
     plan_dynamic_micro_batches,
     plan_static_micro_batches,
 )
+from ballast.balance.workload import Workload
 from ballast.engine.config import MicroBatchSpec
 
 
@@ -83,11 +84,13 @@ def plan_micro_batches(
     dp_group: dist.ProcessGroup | None,
     device: torch.device = torch.device("cpu"),
     prompt_lengths: np.ndarray | None = None,
+    workload: Workload = "tokens",
 ) -> MicroBatchPlan:
     """Plan this rank's micro-batches so that every rank of `dp_group` runs the same number.
 
     `lengths` are the real-token counts of this rank's rows; `prompt_lengths` their prompt parts,
-    needed when `spec.bucket_boundaries` is set. Collective over `dp_group`.
+    needed when `spec.bucket_boundaries` is set. Dynamic micro-batches are balanced by `workload`
+    (the engine passes its model's FLOPs model) under the token cap. Collective over `dp_group`.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     buckets = None
@@ -107,9 +110,9 @@ def plan_micro_batches(
         if not real:
             micro = []
         elif buckets is not None:
-            micro = plan_bucketed_micro_batches(lengths, buckets, budget, num_micro_batches=real)
+            micro = plan_bucketed_micro_batches(lengths, buckets, budget, num_micro_batches=real, workload=workload)
         else:
-            micro = plan_dynamic_micro_batches(lengths, budget, num_micro_batches=real)
+            micro = plan_dynamic_micro_batches(lengths, budget, num_micro_batches=real, workload=workload)
     else:
         micro = plan_static_micro_batches(num_rows, spec.micro_batch_size_per_gpu)
     return MicroBatchPlan(micro_indices=micro, num_dummy=agreed_count - len(micro))

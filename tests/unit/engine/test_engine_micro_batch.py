@@ -68,3 +68,24 @@ def test_dummy_micro_batch_is_a_valid_two_token_row():
     check_padded_layout(dummy["attention_mask"], 4)
     assert dummy["attention_mask"].sum() == 2 and dummy["response_mask"].sum() == 1
     assert dummy["position_ids"][0, 4:6].tolist() == [0, 1]
+
+
+def test_dynamic_plans_balance_the_workload_they_are_given():
+    from ballast.balance import FlopsModel, workload_costs
+    from ballast.engine.config import MicroBatchSpec
+    from ballast.engine.micro_batch import plan_micro_batches
+
+    # one long sample among short ones: balanced by tokens it gets a short partner (1200 + 300 =
+    # 1500 tokens, like the others); balanced by FLOPs it stays alone, because its attention cost
+    # grows with the square of its length
+    lengths = np.array([1200, 600, 600, 600, 600, 300, 300])
+    flops = FlopsModel(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                       intermediate_size=11008, vocab_size=32000)
+    spec = MicroBatchSpec(use_dynamic_bsz=True, max_token_len_per_gpu=1800)
+    costs = workload_costs(lengths, flops)
+    worst = {}
+    for name, workload in (("tokens", "tokens"), ("flops", flops)):
+        plan = plan_micro_batches(lengths, spec, sp_size=1, dp_group=None, workload=workload)
+        assert all(lengths[idx].sum() <= 2500 for idx in plan.micro_indices)
+        worst[name] = max(costs[idx].sum() for idx in plan.micro_indices)
+    assert worst["flops"] < worst["tokens"]
