@@ -14,7 +14,6 @@ import time
 from typing import Dict, Optional
 
 import numpy as np
-import torch
 from tqdm import tqdm
 
 from ballast.balance import FlopsModel, balance_batch
@@ -184,7 +183,7 @@ class RayPPOTrainer:
         if alg.use_kl_in_reward:
             kld = kl_penalty(batch["old_log_probs"], batch["ref_log_prob"], alg.kl_penalty) * mask
             rewards = rewards - self.kl_ctrl.value * kld
-            current_kl = float(masked_mean(masked_mean(kld, mask, dim=-1), torch.ones(len(batch))))
+            current_kl = float(masked_mean(kld, mask, dim=-1).mean())  # per-sequence mean, then batch mean
             self.kl_ctrl.update(current_kl, n_steps=len(batch))
             metrics.update({"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": self.kl_ctrl.value})
         batch["token_level_rewards"] = rewards
