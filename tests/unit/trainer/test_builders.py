@@ -1,6 +1,8 @@
 """Config keys reach the specs the workers are built from (rollout knobs into vLLM's kwargs, batch
 sizes, bucketing, adaptive clipping, loss settings)."""
 
+import dataclasses
+
 import pytest
 
 from ballast.trainer.builders import actor_rollout_ref_spec, critic_spec, rollout_config
@@ -35,6 +37,11 @@ def test_rollout_knobs_reach_vllm():
                           "actor_rollout_ref.rollout.free_cache_engine=False")
     gpu = rollout_config(gpu_cfg)
     assert gpu.gpu_memory_utilization == 0.85 and gpu.free_cache_engine is False and gpu.kv_cache_memory_bytes is None
+    # on GPU the size comes from gpu_memory_utilization, never from the CPU setting
+    assert "kv_cache_memory_bytes" not in engine_kwargs(gpu, distributed=True)
+    # trainer.device=auto resolves in the worker: the CPU cache size still applies when it lands on CPU
+    auto_cfg, _, _ = _spec("trainer.device=auto", "actor_rollout_ref.rollout.cpu_kv_cache_gib=3")
+    assert engine_kwargs(dataclasses.replace(rollout_config(auto_cfg), device="cpu"), False)["kv_cache_memory_bytes"] == 3 << 30
 
 
 def test_default_max_model_len_is_prompt_plus_response():
