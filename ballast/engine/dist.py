@@ -39,10 +39,23 @@ def init_distributed(device_type: str, timeout_s: float = 1800.0) -> None:
     timeout = datetime.timedelta(seconds=timeout_s)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if device_type == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(_cuda_ordinal())
         dist.init_process_group(backend=backend, timeout=timeout)
     else:
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+def _cuda_ordinal() -> int:
+    """LOCAL_RANK as a CUDA device ordinal, checked against the devices this process can see."""
+    ordinal = int(os.environ.get("LOCAL_RANK", "0"))
+    count = torch.cuda.device_count()
+    if not 0 <= ordinal < count:
+        raise ValueError(
+            f"LOCAL_RANK={ordinal} is not a device ordinal: this process sees {count} CUDA device(s) "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); LOCAL_RANK must index the "
+            "visible devices, not the process's slot on the node"
+        )
+    return ordinal
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """`Worker`: the base class of every Ray actor in a worker group.
 
-It reads its place in the group from the environment the group set (RANK, WORLD_SIZE, LOCAL_RANK,
-MASTER_ADDR/PORT), pins its thread pools so colocated processes do not oversubscribe the cores, and
+It reads its place in the group from the environment the group set (RANK, WORLD_SIZE,
+BALLAST_NODE_LOCAL_RANK, MASTER_ADDR/PORT), points LOCAL_RANK at its own GPU (see `visible_device_index`), pins its thread pools so colocated processes do not oversubscribe the cores, and
 runs every group call through `_ballast_call`, which drops the results of non-collect ranks before
 they are shipped (SP/TP peers would otherwise send the same Batch several times).
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
-from typing import Dict
+from typing import Dict, Optional, Sequence
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,37 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def visible_device_index(assigned_ids: Sequence, visible_devices: Optional[str]) -> int:
+    """The CUDA device index, in this process's visible set, of the first GPU Ray assigned to it.
+
+    LOCAL_RANK must be this index, not the worker's slot on its node: torch.cuda.set_device and
+    vLLM's external_launcher (device = cuda:LOCAL_RANK) both take it as a device ordinal. Ray sets
+    each GPU actor's CUDA_VISIBLE_DEVICES to its own GPU(s), so rank 1 of a node sees one device and
+    its ordinal is 0, not 1. With RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES Ray leaves the variable
+    alone: the ordinal is then the id's position in it, or the id itself when it is unset.
+    """
+    if not assigned_ids:
+        raise ValueError("no GPU assigned to this worker (ray.get_gpu_ids() is empty)")
+    first = str(assigned_ids[0]).strip()
+    if visible_devices is None or not visible_devices.strip():
+        if not first.isdigit():
+            raise ValueError(f"Ray assigned GPU {first!r} but CUDA_VISIBLE_DEVICES is unset: cannot map it to an ordinal")
+        return int(first)
+    visible = [d.strip() for d in visible_devices.split(",") if d.strip()]
+    if first not in visible:
+        raise ValueError(f"Ray assigned GPU {first!r}, which is not in CUDA_VISIBLE_DEVICES={visible_devices!r}")
+    return visible.index(first)
+
+
+def _ray_gpu_ids() -> list:
+    """The GPUs Ray assigned to this process; empty outside Ray or for a CPU-only worker."""
+    try:
+        import ray
+    except ImportError:  # the Worker is also used without Ray (unit tests, scripts)
+        return []
+    return list(ray.get_gpu_ids()) if ray.is_initialized() else []
+
+
 def _set_threads(num_threads: int) -> None:
     import torch
 
@@ -42,7 +73,13 @@ class Worker:
     def __init__(self) -> None:
         self.rank = int(os.environ.get("RANK", "0"))
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        # The slot on the node (0..bundles-1), for anything per-node; never a device ordinal.
+        self.node_local_rank = int(os.environ.get("BALLAST_NODE_LOCAL_RANK", os.environ.get("LOCAL_RANK", "0")))
+        gpu_ids = _ray_gpu_ids()
+        if gpu_ids:
+            # Before any engine reads it: torch.cuda.set_device and vLLM take LOCAL_RANK as the ordinal.
+            os.environ["LOCAL_RANK"] = str(visible_device_index(gpu_ids, os.environ.get("CUDA_VISIBLE_DEVICES")))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))  # this process's CUDA device ordinal on GPU
         self._mesh: Dict[str, MeshInfo] = {}
         threads = os.environ.get("BALLAST_NUM_THREADS")
         if threads:

@@ -74,7 +74,10 @@ class RayWorkerGroup:
         self.workers = []
         for slot in slots:
             env_vars = {
+                # LOCAL_RANK is the slot on the node here; a GPU worker replaces it with its device
+                # ordinal at start-up (Worker.__init__), since Ray shows each GPU actor only its own GPU.
                 "RANK": str(slot.rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(slot.local_rank),
+                "BALLAST_NODE_LOCAL_RANK": str(slot.local_rank),
                 "LOCAL_WORLD_SIZE": str(len(slot.placement_group.bundle_specs)), "BALLAST_NUM_THREADS": str(threads),
                 "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), **(env or {}),
             }
