@@ -87,10 +87,13 @@ class ActorRolloutRefWorker(Worker):
         """Prompts (left-padded) -> prompts + responses. `meta["validate"]` switches to greedy sampling."""
         if self.rollout is None:
             raise ValueError(f"worker rank {self.rank} has no rollout role")
-        self.rollout.wake_up()
-        if self._weights_stale:
-            self.rollout.load_weights(self.actor.iter_full_state_dict())
+        # Weights first, then the KV cache (wake_up): the actor's gathered full tensors are freed
+        # before the cache comes back. A level-2 sleep discarded the engine's weights, so they are
+        # reloaded after every such sleep, not only after an actor update.
+        if self._weights_stale or self.rollout.needs_weights:
+            self.rollout.load_weights(self._require(self.actor, "actor").iter_full_state_dict())
             self._weights_stale = False
+        self.rollout.wake_up()
         sampling = self.spec.rollout_val_sampling if prompts.meta.get("validate") else None
         out = tp_generate(self.rollout, prompts.tensors.select(*PROMPT_KEYS), self._tp_group, sampling,
                           call_index=prompts.meta.get("rollout_call_index"))

@@ -252,6 +252,11 @@ class RolloutBackend(Protocol):
         """log p(token_t | tokens_<t) for t >= 1 of each sequence (no temperature), float32."""
         ...
 
+    @property
+    def needs_weights(self) -> bool:
+        """Whether the engine lost its weights while asleep (vLLM level 2): load_weights before wake_up."""
+        ...
+
     def sleep(self) -> None:
         """Free engine memory for training (GPU vLLM); a no-op elsewhere."""
         ...

@@ -196,6 +196,10 @@ class HFBackend:
             result.append(torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0].cpu())
         return result
 
+    @property
+    def needs_weights(self) -> bool:
+        return False  # never sleeps, so it never loses its weights
+
     def sleep(self) -> None:
         """No-op: the HF model is small enough to stay resident (or is shared with the actor)."""
 

@@ -156,6 +156,14 @@ class VLLMBackend:
         self.last_input_digest: str | None = None
         self._num_calls = 0
         self._asleep: set[str] = set()
+        # A level-2 sleep discards the weights and wake_up() maps fresh, uninitialised memory for
+        # them: the engine must be fed the weights again before it serves anything.
+        self._weights_discarded = False
+
+    @property
+    def needs_weights(self) -> bool:
+        """True after a level-2 sleep until `load_weights` has refilled the engine's weights."""
+        return self._weights_discarded
 
     @property
     def tp_group_ranks(self) -> list[int]:
@@ -258,6 +266,7 @@ class VLLMBackend:
                 self.llm.wake_up(tags=["weights"])
                 self._asleep.discard("weights")
             self.llm.collective_rpc(_load_into_model, kwargs=dict(weights=counted))
+            self._weights_discarded = False
         else:
             self.llm.collective_rpc(
                 "reload_weights", kwargs=dict(weights_iterator=counted, is_checkpoint_format=True)
@@ -269,14 +278,23 @@ class VLLMBackend:
     def sleep(self) -> None:
         """GPU with free_cache_engine: free the KV cache and offload (level 1) or drop (level 2) weights.
 
+        After level 2 the weights are gone (`needs_weights`): `load_weights` must run before `wake_up`.
         A no-op on CPU, where vLLM has no sleep mode (it would only log a warning).
         """
         if self.on_gpu and self.config.free_cache_engine and not self._asleep:
             self.llm.sleep(level=self.config.sleep_level)
             self._asleep = {"weights", "kv_cache"}
+            self._weights_discarded = self.config.sleep_level == 2
 
     def wake_up(self) -> None:
-        """Restore whatever `sleep` released (weights first if `load_weights` has not already)."""
+        """Restore whatever `sleep` released that `load_weights` has not already (the KV cache).
+
+        Sync weights first, then wake: the KV cache then comes back only after the actor's gathered
+        full tensors are gone, which keeps the peak lower.
+        """
+        if self._weights_discarded:
+            raise RuntimeError("the vLLM engine's weights were discarded by a level-2 sleep: call "
+                               "load_weights() before wake_up(), or it would serve uninitialised memory")
         if self._asleep:
             self.llm.wake_up(tags=sorted(self._asleep, key=lambda t: t != "weights"))
             self._asleep.clear()
@@ -284,6 +302,8 @@ class VLLMBackend:
     def _require_awake(self) -> None:
         if self._asleep:
             raise RuntimeError(f"the vLLM engine is asleep ({sorted(self._asleep)}): call wake_up() first")
+        if self._weights_discarded:
+            raise RuntimeError("the vLLM engine's weights were discarded by a level-2 sleep: load_weights() first")
 
     def shutdown(self) -> None:
         """Tear the engine down. Under torch.distributed this also destroys the DEFAULT process group."""
