@@ -71,6 +71,7 @@ def rollout_config(cfg: BallastConfig) -> RolloutConfig:
         enable_chunked_prefill=r.enable_chunked_prefill, gpu_memory_utilization=r.gpu_memory_utilization,
         # Resolved where the engine runs: with trainer.device=auto the driver cannot know the device.
         cpu_kv_cache_memory_bytes=r.cpu_kv_cache_gib * GIB, free_cache_engine=r.free_cache_engine,
+        kv_cache_memory_bytes=r.kv_cache_memory_bytes,
         tensor_model_parallel_size=r.tensor_model_parallel_size,
     )
 

@@ -27,6 +27,7 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from ballast.trainer.config import BallastConfig, ConfigError, ModelInfo, check_config, to_typed
+from ballast.trainer.config.gpu_memory import check_rollout_gpu_memory_at_start
 
 EXIT_BAD_INPUT = 2
 EXIT_WORKER_FAILED = 3
@@ -79,6 +80,7 @@ def prepare_typed(cfg: BallastConfig):
                 f"actor_rollout_ref.rollout.name=vllm but vllm cannot be imported ({type(err).__name__}: {err}); "
                 "run scripts/setup.sh or use actor_rollout_ref.rollout.name=hf"
             ) from err
+        check_rollout_gpu_memory_at_start(cfg)
     return cfg, sizes
 
 

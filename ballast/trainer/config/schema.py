@@ -130,6 +130,7 @@ class RolloutConfig:
     response_length: int
     dtype: str
     gpu_memory_utilization: float
+    kv_cache_memory_bytes: Optional[int]
     cpu_kv_cache_gib: int
     ignore_eos: bool
     enforce_eager: bool

@@ -131,6 +131,8 @@ def _check_ranges(cfg: BallastConfig) -> None:
     _check_optim("critic.optim", cfg.critic.optim)
     _in_unit("actor_rollout_ref.rollout.top_p", rollout.top_p)
     _in_unit("actor_rollout_ref.rollout.gpu_memory_utilization", rollout.gpu_memory_utilization)
+    if rollout.kv_cache_memory_bytes is not None:
+        _at_least("actor_rollout_ref.rollout.kv_cache_memory_bytes", rollout.kv_cache_memory_bytes, 1)
     if rollout.top_k != -1 and rollout.top_k < 1:
         raise ConfigError(f"actor_rollout_ref.rollout.top_k={rollout.top_k} must be -1 (off) or >= 1")
     if rollout.do_sample and rollout.temperature <= 0:

@@ -39,6 +39,9 @@ def test_rollout_knobs_reach_vllm():
     assert gpu.gpu_memory_utilization == 0.85 and gpu.free_cache_engine is False and gpu.kv_cache_memory_bytes is None
     # on GPU the size comes from gpu_memory_utilization, never from the CPU setting
     assert "kv_cache_memory_bytes" not in engine_kwargs(gpu, distributed=True)
+    # ... unless a fixed size is given (small models: a fraction of a large GPU is millions of blocks)
+    fixed_cfg, _, _ = _spec("trainer.device=cuda", "actor_rollout_ref.rollout.kv_cache_memory_bytes=67108864")
+    assert engine_kwargs(rollout_config(fixed_cfg), distributed=True)["kv_cache_memory_bytes"] == 64 << 20
     # trainer.device=auto resolves in the worker: the CPU cache size still applies when it lands on CPU
     auto_cfg, _, _ = _spec("trainer.device=auto", "actor_rollout_ref.rollout.cpu_kv_cache_gib=3")
     assert engine_kwargs(dataclasses.replace(rollout_config(auto_cfg), device="cpu"), False)["kv_cache_memory_bytes"] == 3 << 30
@@ -54,6 +57,7 @@ def test_default_max_model_len_is_prompt_plus_response():
     ("actor_rollout_ref.rollout.cpu_kv_cache_gib=0", "cpu_kv_cache_gib=0"),
     ("actor_rollout_ref.rollout.max_model_len=200", "max_model_len=200"),
     ("actor_rollout_ref.rollout.max_num_seqs=0", "max_num_seqs=0"),
+    ("actor_rollout_ref.rollout.kv_cache_memory_bytes=0", "kv_cache_memory_bytes=0"),
 ])
 def test_invalid_rollout_knobs_are_start_up_errors(override, key):
     with pytest.raises(ConfigError, match=key):

@@ -1,0 +1,82 @@
+"""The start-up check of rollout.gpu_memory_utilization against the models' sizes (no GPU needed:
+the device size comes from a faked nvidia-smi, the parameter count from a real safetensors header)."""
+
+import subprocess
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from ballast.trainer.config import ConfigError, load_config
+from ballast.trainer.config import gpu_memory
+from ballast.trainer.config.gpu_memory import GIB, check_rollout_gpu_memory, checkpoint_param_count
+
+H200_BYTES = 141 * 10**9
+
+
+def _cfg(*overrides, gpus=1):
+    return load_config(["data.train_files=/data/train.parquet", "actor_rollout_ref.model.path=/models/x",
+                        f"trainer.n_gpus_per_node={gpus}", *overrides])
+
+
+def test_checkpoint_param_count_reads_safetensors_headers(tmp_path):
+    save_file({"a": torch.zeros(3, 4), "b": torch.zeros(5, dtype=torch.bfloat16)}, str(tmp_path / "m-1.safetensors"))
+    save_file({"c": torch.zeros(2, 2, 2)}, str(tmp_path / "m-2.safetensors"))
+    assert checkpoint_param_count(str(tmp_path)) == 12 + 5 + 8
+    assert checkpoint_param_count(str(tmp_path / "missing")) is None
+
+
+def test_verl_style_utilization_is_rejected_when_actor_and_ref_shards_are_resident():
+    # 7B on one 141 GB GPU with a KL reference: 28 GB actor + 28 GB ref + overhead leave < 0.6.
+    cfg = _cfg("actor_rollout_ref.rollout.gpu_memory_utilization=0.9", "actor_rollout_ref.actor.use_kl_loss=true")
+    with pytest.raises(ConfigError) as err:
+        check_rollout_gpu_memory(cfg, 7 * 10**9, H200_BYTES)
+    message = str(err.value)
+    assert "actor_rollout_ref.rollout.gpu_memory_utilization=0.9" in message
+    plan = gpu_memory.rollout_memory_plan(cfg, 7 * 10**9, H200_BYTES)
+    assert plan.actor_bytes == plan.ref_bytes == 28 * 10**9
+    assert f"use at most {plan.max_utilization:.2f}" in message and 0.5 < plan.max_utilization < 0.6
+    assert f"{0.9 * H200_BYTES / GIB:.2f} GiB" in message  # what vLLM will ask to be free
+
+
+def test_the_same_utilization_fits_when_the_shards_are_small_or_offloaded():
+    check_rollout_gpu_memory(_cfg("actor_rollout_ref.rollout.gpu_memory_utilization=0.9", gpus=8),
+                             7 * 10**9, H200_BYTES)  # 3.5 GB actor shard per GPU, no reference
+    offloaded = _cfg("actor_rollout_ref.rollout.gpu_memory_utilization=0.9",
+                     "actor_rollout_ref.actor.fsdp_config.param_offload=true")
+    assert gpu_memory.rollout_memory_plan(offloaded, 7 * 10**9, H200_BYTES).actor_bytes == 0
+    check_rollout_gpu_memory(offloaded, 7 * 10**9, H200_BYTES)
+
+
+def test_too_small_a_utilization_for_vllms_own_weights_needs_a_fixed_kv_cache():
+    cfg = _cfg("actor_rollout_ref.rollout.gpu_memory_utilization=0.05", gpus=8)
+    with pytest.raises(ConfigError, match="less than its own weights .*kv_cache_memory_bytes"):
+        check_rollout_gpu_memory(cfg, 7 * 10**9, H200_BYTES)  # 14 GB of bf16 weights > 7 GB
+    fixed = _cfg("actor_rollout_ref.rollout.gpu_memory_utilization=0.05",
+                 "actor_rollout_ref.rollout.kv_cache_memory_bytes=67108864", gpus=8)
+    check_rollout_gpu_memory(fixed, 460_000, H200_BYTES)
+
+
+def test_start_up_check_uses_nvidia_smi_and_the_checkpoint(tmp_path, monkeypatch):
+    save_file({"w": torch.zeros(1000, 1000)}, str(tmp_path / "model.safetensors"))
+    cfg = _cfg(f"actor_rollout_ref.model.path={tmp_path}", "actor_rollout_ref.rollout.gpu_memory_utilization=0.99")
+    monkeypatch.setattr(gpu_memory.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
+    seen = []
+
+    def fake_run(cmd, **kw):
+        seen.append(cmd)
+        return SimpleNamespace(stdout="143771\n81559\n")  # MiB, as nvidia-smi prints them
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    with pytest.raises(ConfigError, match=r"gpu_memory_utilization=0\.99 .*use at most 0\.98"):
+        gpu_memory.check_rollout_gpu_memory_at_start(cfg)  # the smaller GPU (80 GiB) counts
+    assert "--query-gpu=memory.total" in seen[0]
+    ok = _cfg(f"actor_rollout_ref.model.path={tmp_path}", "actor_rollout_ref.rollout.gpu_memory_utilization=0.5")
+    assert gpu_memory.check_rollout_gpu_memory_at_start(ok).total_bytes == 81559 << 20
+    assert gpu_memory.check_rollout_gpu_memory_at_start(_cfg("trainer.device=cpu")) is None
+
+
+def test_no_gpu_on_the_driver_skips_the_check(monkeypatch):
+    monkeypatch.setattr(gpu_memory.shutil, "which", lambda name: None)
+    assert gpu_memory.check_rollout_gpu_memory_at_start(_cfg("actor_rollout_ref.rollout.gpu_memory_utilization=1.0")) is None
