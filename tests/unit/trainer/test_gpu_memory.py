@@ -80,3 +80,22 @@ def test_start_up_check_uses_nvidia_smi_and_the_checkpoint(tmp_path, monkeypatch
 def test_no_gpu_on_the_driver_skips_the_check(monkeypatch):
     monkeypatch.setattr(gpu_memory.shutil, "which", lambda name: None)
     assert gpu_memory.check_rollout_gpu_memory_at_start(_cfg("actor_rollout_ref.rollout.gpu_memory_utilization=1.0")) is None
+
+
+def test_gpu_smoke_grpo_overrides_form_a_valid_config_that_fits_an_h200():
+    """scripts/gpu_smoke.sh's GRPO phase only ever runs on a GPU machine: check its overrides here."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from ballast.trainer.config import check_config
+
+    script = (Path(__file__).resolve().parents[3] / "scripts" / "gpu_smoke.sh").read_text()
+    block = script[script.index("-m ballast.trainer.main"):script.index('} >"$OUT/grpo.log"')]
+    values = {"OUT": "/smoke", "RUN": "/smoke/grpo", "WORKERS": "2", "KV_BYTES": str(64 << 20), "GRPO_S": "300"}
+    block = re.sub(r"\$(\w+)", lambda m: values[m.group(1)], block.replace("\\\n", " "))
+    overrides = [tok for tok in shlex.split(block)[1:] if "=" in tok]
+    assert "actor_rollout_ref.rollout.kv_cache_memory_bytes=67108864" in overrides
+    cfg = load_config(overrides)
+    check_config(cfg)
+    check_rollout_gpu_memory(cfg, 460_000, H200_BYTES)  # the tiny preset: well under a million parameters
