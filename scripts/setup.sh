@@ -58,8 +58,14 @@ else
   # torch, so it comes after it and without build isolation.
   say "installing vllm 0.33.0 (brings its CUDA torch)"
   "${PIP[@]}" install --quiet "vllm==0.33.0" || die "vllm 0.33.0 install failed"
-  say "installing flash-attn (optional: without it the engine uses SDPA attention per packed sequence)"
-  "${PIP[@]}" install --quiet --no-build-isolation "flash-attn>=2.7" \
+  # flash-attn 2.8.3 ships no wheel for torch 2.14 + CUDA 13 and compiles; by default for four GPU
+  # architectures with ~9 GB RAM per job. Build for this machine's GPUs (compute capability from
+  # nvidia-smi, e.g. 90 on H100/H200) with few jobs; override with FLASH_ATTN_CUDA_ARCHS / MAX_JOBS.
+  archs="${FLASH_ATTN_CUDA_ARCHS:-$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | tr -d . | sort -u | paste -sd';')}"
+  say "installing flash-attn 2.8.3 for CUDA archs '${archs:-80;90;100;120}' (optional: without it the engine uses SDPA per packed sequence)"
+  "${PIP[@]}" install --quiet ninja packaging psutil einops || die "flash-attn build tools failed"
+  FLASH_ATTENTION_FORCE_BUILD=TRUE FLASH_ATTN_CUDA_ARCHS="${archs:-80;90;100;120}" MAX_JOBS="${MAX_JOBS:-4}" \
+    NVCC_THREADS="${NVCC_THREADS:-2}" "${PIP[@]}" install --quiet --no-build-isolation "flash-attn==2.8.3" \
     || printf '[setup] WARNING: flash-attn did not install; continuing with SDPA attention\n' >&2
   say "installing ballast with the test extra"
   "${PIP[@]}" install --quiet -e ".[test]" || die "pip install -e .[test] failed"

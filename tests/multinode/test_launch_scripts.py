@@ -106,3 +106,13 @@ def test_dockerfile_promises():
     assert re.search(r'^ENTRYPOINT \["python", "-m", "ballast.trainer.main"\]', text, re.M)
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert {".venv", ".cache", ".git", "checkpoints", "outputs"} <= set(ignored)
+    # flash-attn compiles (no wheel for torch 2.14 + CUDA 13): one architecture by default, few jobs,
+    # a host compiler, and ninja installed before the --no-build-isolation build that needs it.
+    archs = re.search(r"^ARG FLASH_ATTN_CUDA_ARCHS=(\S+)", text, re.M).group(1)
+    assert ";" not in archs, archs
+    assert int(re.search(r"^ARG MAX_JOBS=(\d+)", text, re.M).group(1)) <= 4
+    assert "build-essential" in text and text.index("pip install ninja") < text.index('"flash-attn==')
+    # every documented `docker run --gpus` gets /dev/shm room for NCCL, and the host driver is stated
+    runs = [line for line in text.splitlines() if "docker run --gpus" in line]
+    assert runs and all("--ipc=host" in line or "--shm-size" in line for line in runs), runs
+    assert re.search(r"driver .*580", text)
