@@ -159,7 +159,12 @@ class HFBackend:
         """Seeded, isolated RNG for a sampling call; the caller's global RNG stream is left as it was."""
         if not sampling.do_sample or sampling.seed is None:
             return contextlib.nullcontext()
-        devices = [self.device.index or 0] if self.device.type == "cuda" else []
+        # The generator generate() draws from is the one of the device the model sits on. Parameters
+        # always carry an index; a bare "cuda" means the current device, never blindly GPU 0.
+        if self.device.type != "cuda":
+            devices = []
+        else:
+            devices = [self.device.index if self.device.index is not None else torch.cuda.current_device()]
 
         @contextlib.contextmanager
         def seeded():

@@ -1,5 +1,7 @@
 """The HF backend against the output contract, on a tiny random Qwen2 (CPU, fp32)."""
 
+import contextlib
+
 import pytest
 import torch
 from tensordict import TensorDict
@@ -160,3 +162,28 @@ def test_bad_prompts_are_rejected_with_row(backend):
         backend.generate(bad)
     with pytest.raises(ValueError, match="row 0 holds token id 999"):
         backend.generate(make_prompts([[999]]))
+
+
+@pytest.mark.parametrize("device, current, expected", [
+    (torch.device("cuda", 3), 0, [3]),   # the model's own GPU, whatever the current device is
+    (torch.device("cuda"), 2, [2]),      # a bare "cuda" is the current device, not GPU 0
+    (torch.device("cpu"), 0, []),
+])
+def test_seeded_sampling_forks_the_rng_of_the_models_gpu(monkeypatch, device, current, expected):
+    from ballast.workers.rollout.hf_backend import HFBackend
+
+    forked = []
+
+    @contextlib.contextmanager
+    def fake_fork_rng(devices=None, **kw):
+        forked.append(list(devices))
+        yield
+
+    monkeypatch.setattr(torch.random, "fork_rng", fake_fork_rng)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+    monkeypatch.setattr(torch, "manual_seed", lambda seed: None)  # no CUDA here to seed
+    backend = HFBackend.__new__(HFBackend)
+    backend.device = device
+    with backend._rng(SamplingConfig(max_response_length=4, seed=7), call_index=1):
+        pass
+    assert forked == [expected]
