@@ -28,11 +28,10 @@ from ballast.trainer.monitor import (
     DynamicBatchVisualizer, balancer_line, micro_batch_metrics, monitor_lines, rank_load_metrics, should_report,
 )
 from ballast.workers.train_loop import MICRO_TOKENS_KEY
+from ballast.workers.rollout.base import validation_call_index
 from ballast.trainer.reward import RewardManager
 from ballast.trainer.roles import Workers
 from ballast.trainer.tracking import Tracker
-
-VALIDATION_CALL_OFFSET = 1 << 30  # rollout call indices of validation passes never meet training ones
 
 
 class NonFiniteStepsError(RuntimeError):
@@ -233,7 +232,7 @@ class RayPPOTrainer:
         val = self.data.val
         outputs = []
         for i, chunk in enumerate(val.split(self.data.val_batch_size or len(val))):
-            chunk.meta.update(validate=True, rollout_call_index=VALIDATION_CALL_OFFSET + self.global_step * 1024 + i)
+            chunk.meta.update(validate=True, rollout_call_index=validation_call_index(self.global_step, i))
             outputs.append(self.workers.actor_rollout.generate_sequences(chunk))
         out = Batch.concat(outputs) if len(outputs) > 1 else outputs[0]
         scores, _ = self.reward(out)

@@ -40,12 +40,10 @@ def _per_engine_seed(config, engine_index: int):
     """Give each data-parallel rollout engine its own seed stream (TP peers share one engine's).
 
     Otherwise row r of every engine would sample with the same seed, and the copies of one prompt
-    that land on different engines at the same row would be identical.
+    that land on different engines at the same row would be identical. The index enters every
+    sampling seed (`sampling_seed`), for training and validation sampling alike.
     """
-    sampling = config.sampling
-    if sampling.seed is None:
-        return config
-    return dataclasses.replace(config, sampling=dataclasses.replace(sampling, seed=sampling.seed + engine_index * (1 << 16)))
+    return dataclasses.replace(config, engine_index=engine_index)
 
 
 class ActorRolloutRefWorker(Worker):

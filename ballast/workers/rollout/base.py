@@ -15,14 +15,38 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 from tensordict import TensorDict
 
 BACKENDS = ("vllm", "hf")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-# Seeds per call: call k of a backend seeded s starts at s + k * CALL_SEED_STRIDE (vLLM adds the row).
-CALL_SEED_STRIDE = 1 << 20
+
+
+def sampling_seed(seed: int, engine_index: int, call_index: int, row: int = 0) -> int:
+    """The sampling seed of row `row` of call `call_index` on rollout engine `engine_index` (63 bits).
+
+    A SeedSequence hash of the whole key, so distinct keys get unrelated seeds with no bound on any
+    index (a sum of strided offsets reuses seeds as soon as one index outgrows its stride). The key
+    has a fixed length because SeedSequence treats trailing zero words as absent: [s, e] and
+    [s, e, 0] give the same state. Negative call indices (validation calls) are their own range.
+    """
+    if engine_index < 0 or row < 0:
+        raise ValueError(f"engine_index={engine_index} and row={row} must be >= 0")
+    key = [seed % (1 << 64), engine_index, int(call_index < 0), abs(call_index), row]
+    high, low = np.random.SeedSequence(key).generate_state(2, np.uint32)
+    return ((int(high) << 32) | int(low)) >> 1  # < 2**63: fits vLLM's int64 seed tensors
+
+
+def validation_call_index(global_step: int, chunk: int) -> int:
+    """A call index for validation chunk `chunk` after `global_step` training steps: negative, so it
+    never equals a training call (numbered by step), and unique for every (step, chunk) pair
+    (Cantor pairing, so no bound on the number of chunks)."""
+    if global_step < 0 or chunk < 0:
+        raise ValueError(f"global_step={global_step} and chunk={chunk} must be >= 0")
+    total = global_step + chunk
+    return -1 - (total * (total + 1) // 2 + chunk)
 
 
 def _token_id_tuple(key: str, value) -> tuple[int, ...]:
@@ -100,7 +124,9 @@ class RolloutConfig:
     None, the size falls back to VLLM_CPU_KVCACHE_SPACE (GiB),
     on GPU None uses gpu_memory_utilization. free_cache_engine: release the KV cache (and weights)
     around training on GPU with sleep/wake_up (no-op on CPU). tensor_model_parallel_size > 1 needs
-    the vllm backend and an initialised torch.distributed world (see `tp.py`).
+    the vllm backend and an initialised torch.distributed world (see `tp.py`). engine_index: which
+    data-parallel rollout engine this is (TP peers share one); part of every sampling seed, so that
+    copies of a prompt on different engines do not sample alike.
     """
 
     model_path: str
@@ -121,6 +147,7 @@ class RolloutConfig:
     tensor_model_parallel_size: int = 1
     pad_token_id: int | None = None
     skip_tokenizer_init: bool = True
+    engine_index: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_path, (str, os.PathLike)) or not str(self.model_path):
@@ -136,6 +163,8 @@ class RolloutConfig:
             value = getattr(self, key)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{key}={value!r} must be None or an int >= 1")
+        if isinstance(self.engine_index, bool) or not isinstance(self.engine_index, int) or self.engine_index < 0:
+            raise ValueError(f"engine_index={self.engine_index!r} must be an int >= 0")
         if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
         if self.sleep_level not in (1, 2):
@@ -239,8 +268,8 @@ class RolloutBackend(Protocol):
         """Prompts (input_ids, attention_mask, optional position_ids; (B, P), left-padded) ->
         the output contract of `postprocess.build_rollout_output`, rows in input order.
 
-        A seeded call samples with seed + call_index * CALL_SEED_STRIDE (+ row on vLLM); call_index
-        defaults to how many calls came before. Pinning it (to the training step) makes a resumed
+        A seeded call samples with `sampling_seed(seed, engine_index, call_index[, row on vLLM])`;
+        call_index defaults to how many calls came before. Pinning it (to the training step) makes a resumed
         run sample exactly what an uninterrupted one would have."""
         ...
 

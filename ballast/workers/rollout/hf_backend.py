@@ -23,10 +23,10 @@ from tensordict import TensorDict
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from .base import (
-    CALL_SEED_STRIDE,
     RolloutConfig,
     SamplingConfig,
     resolve_special_tokens,
+    sampling_seed,
     start_generate_call,
     stop_ids_for,
 )
@@ -169,7 +169,7 @@ class HFBackend:
         @contextlib.contextmanager
         def seeded():
             with torch.random.fork_rng(devices=devices):
-                torch.manual_seed(sampling.seed + call_index * CALL_SEED_STRIDE)
+                torch.manual_seed(sampling_seed(sampling.seed, self.config.engine_index, call_index))
                 yield
 
         return seeded()

@@ -39,10 +39,10 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from .base import (
-    CALL_SEED_STRIDE,
     RolloutConfig,
     SamplingConfig,
     resolve_special_tokens,
+    sampling_seed,
     start_generate_call,
     stop_ids_for,
 )
@@ -197,8 +197,9 @@ class VLLMBackend:
         if not sampling.do_sample or sampling.seed is None:
             return [SamplingParams(**common)] * num_rows
         # One seed per row: repeated prompts (n > 1) must differ, and every TP rank must draw alike.
-        base = sampling.seed + call_index * CALL_SEED_STRIDE
-        return [SamplingParams(seed=base + row, **common) for row in range(num_rows)]
+        engine = self.config.engine_index
+        return [SamplingParams(seed=sampling_seed(sampling.seed, engine, call_index, row), **common)
+                for row in range(num_rows)]
 
     def generate(
         self, prompts: TensorDict, sampling: SamplingConfig | None = None, call_index: int | None = None

@@ -183,7 +183,28 @@ def test_seeded_sampling_forks_the_rng_of_the_models_gpu(monkeypatch, device, cu
     monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
     monkeypatch.setattr(torch, "manual_seed", lambda seed: None)  # no CUDA here to seed
     backend = HFBackend.__new__(HFBackend)
-    backend.device = device
+    backend.device, backend.config = device, RolloutConfig(model_path="/m", backend="hf")
     with backend._rng(SamplingConfig(max_response_length=4, seed=7), call_index=1):
         pass
     assert forked == [expected]
+
+
+def test_engines_and_calls_never_share_a_sampling_stream(backend):
+    """The former scheme (engine seed + e * 2**16, call + k * 2**20) gave engine 16's call k the
+    seed of engine 0's call k + 1: identical samples for different prompts' copies. Now disjoint."""
+    import dataclasses
+
+    from ballast.workers.actor_rollout_ref import _per_engine_seed
+
+    sampling = SamplingConfig(max_response_length=8, temperature=1.0, seed=5, eos_token_ids=())
+    config = dataclasses.replace(backend.config, sampling=sampling)
+    engine0 = build_backend(_per_engine_seed(config, 0), model=backend.model)
+    engine16 = build_backend(_per_engine_seed(config, 16), model=backend.model)
+    assert engine16.config.engine_index == 16 and engine16.config.sampling.seed == 5
+    prompts = make_prompts([[5, 6, 7, 8]] * 4)
+    assert not torch.equal(engine16.generate(prompts, call_index=0)["responses"],
+                           engine0.generate(prompts, call_index=1)["responses"])
+    # ... while one engine still replays a call exactly (what resuming a run relies on)
+    again = build_backend(_per_engine_seed(config, 16), model=backend.model)
+    assert torch.equal(again.generate(prompts, call_index=0)["responses"],
+                       engine16.generate(prompts, call_index=0)["responses"])
