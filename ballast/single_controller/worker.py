@@ -1,9 +1,10 @@
 """`Worker`: the base class of every Ray actor in a worker group.
 
 It reads its place in the group from the environment the group set (RANK, WORLD_SIZE,
-BALLAST_NODE_LOCAL_RANK, MASTER_ADDR/PORT), points LOCAL_RANK at its own GPU (see `visible_device_index`), pins its thread pools so colocated processes do not oversubscribe the cores, and
-runs every group call through `_ballast_call`, which drops the results of non-collect ranks before
-they are shipped (SP/TP peers would otherwise send the same Batch several times).
+BALLAST_NODE_LOCAL_RANK, MASTER_ADDR/PORT), points LOCAL_RANK at its own GPU (see
+`visible_device_index`), pins its thread pools so colocated processes do not oversubscribe the
+cores, and runs every group call through `_ballast_call`, which drops the results of non-collect
+ranks before they are shipped (SP/TP peers would otherwise send the same Batch several times).
 """
 
 from __future__ import annotations
