@@ -28,7 +28,8 @@ def gpu_engine(vllm_tiny_model_dir):
         pytest.skip("needs CUDA")
     cfg = RolloutConfig(
         model_path=vllm_tiny_model_dir, backend="vllm", device="cuda", dtype="bfloat16", max_model_len=128,
-        gpu_memory_utilization=0.2, free_cache_engine=True, sleep_level=1,
+        # A fixed 64 MiB KV cache: a fraction of a large GPU would be millions of blocks for this model.
+        gpu_memory_utilization=0.2, kv_cache_memory_bytes=64 << 20, free_cache_engine=True, sleep_level=1,
         sampling=SamplingConfig(max_response_length=16, do_sample=False, eos_token_ids=()),
     )
     backend = build_backend(cfg)
