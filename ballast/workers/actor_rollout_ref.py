@@ -24,7 +24,7 @@ from ballast.protocol import Batch
 from ballast.single_controller import Dispatch, Worker, register
 from ballast.workers.rollout import build_backend, new_tp_group, tp_generate
 from ballast.workers.spec import ActorRolloutRefSpec
-from ballast.workers.train_loop import run_train_loop
+from ballast.workers.train_loop import MINI_BATCH_PLANS_KEY, run_train_loop
 
 ENGINE_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
 PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
@@ -121,7 +121,8 @@ class ActorRolloutRefWorker(Worker):
     def update_actor(self, batch: Batch) -> Dict[str, float]:
         actor = self._require(self.actor, "actor")
         data = engine_input(batch, ("old_log_probs", "advantages", "ref_log_prob"))
-        metrics = run_train_loop(actor, data, self.spec.actor_train, actor.parallel.dp_rank, "actor")
+        metrics = run_train_loop(actor, data, self.spec.actor_train, actor.parallel.dp_rank, "actor",
+                                 plans=batch.meta.get(MINI_BATCH_PLANS_KEY))
         self._weights_stale = self.rollout is not None
         return metrics
 
