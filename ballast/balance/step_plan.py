@@ -35,7 +35,7 @@ from .partition import karmarkar_karp, validate_partition
 from .workload import Workload, workload_costs
 
 # How many times the per-rank Karmarkar-Karp candidate may grow its count before it is dropped.
-_KK_MAX_GROWTH = 8
+_KK_MAX_GROWTH = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,9 +125,15 @@ def _kk_micro(tokens: list[np.ndarray], max_tokens: int) -> list[list[np.ndarray
     k = max(min(len(t), math.ceil(int(t.sum()) / max_tokens)) for t in tokens)
     verl_costs = [workload_costs(t, "verl") for t in tokens]
     fewest = min(len(t) for t in tokens)
+    heaviest_first = sorted(range(len(tokens)), key=lambda r: -int(tokens[r].sum()))
     for k in range(max(k, 1), min(fewest, k + _KK_MAX_GROWTH) + 1):
-        plan = [[np.asarray(p, dtype=np.int64) for p in karmarkar_karp(c, k)] for c in verl_costs]
-        if all(len(mb) and t[mb].sum() <= max_tokens for t, rank in zip(tokens, plan) for mb in rank):
+        plan: list = [None] * len(tokens)
+        for r in heaviest_first:  # the heaviest rank is the likeliest to break the cap: stop early
+            rank = [np.asarray(p, dtype=np.int64) for p in karmarkar_karp(verl_costs[r], k)]
+            if not all(len(mb) and tokens[r][mb].sum() <= max_tokens for mb in rank):
+                break
+            plan[r] = rank
+        else:
             return plan
     return None
 
