@@ -348,14 +348,18 @@ def main(argv: list[str] | None = None) -> int:
 
     if not args.no_check_emulation:
         check_emulation(sb)
-    cases = [run_case(*case[:5], sb, args.repeat, groups=case[5]) for case in build_cases(args.quick)]
+    def run_all(*build_args, **build_kwargs) -> list[dict]:
+        return [run_case(*case[:5], sb, args.repeat, groups=case[5])
+                for case in build_cases(args.quick, *build_args, **build_kwargs)]
+
+    cases = run_all()
     old_cases = len(cases)
-    cases += [run_case(*case[:5], sb, args.repeat, groups=case[5]) for case in build_cases(args.quick, NEW_DISTRIBUTIONS, seed_base=2000)]
+    cases += run_all(NEW_DISTRIBUTIONS, seed_base=2000)
     failures = check_targets(cases, old_cases)
-    grouped = [run_case(*case[:5], sb, args.repeat, groups=case[5]) for case in build_cases(args.quick, GROUPED, seed_base=2010, groups=True)]
+    grouped = run_all(GROUPED, seed_base=2010, groups=True)
     stress = []
     if args.stress:
-        stress = [run_case(*case[:5], sb, args.repeat, groups=case[5]) for case in build_cases(args.quick, STRESS_DISTRIBUTIONS, 500)]
+        stress = run_all(STRESS_DISTRIBUTIONS, 500)
     result = {"machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
               "python": sys.version.split()[0], "cases": cases, "grouped_cases": grouped,
               "target_failures": failures}

@@ -147,7 +147,8 @@ def _plan_error(plan, dp_size: int, dp_rank: int, lengths: np.ndarray, budget: i
         for j, mb in enumerate(plan[dp_rank]):
             tokens = int(lengths[np.asarray(mb, dtype=np.int64)].sum())
             if tokens > budget:
-                return f"micro-batch plan: rank {dp_rank}'s micro-batch {j} holds {tokens} tokens, over the budget {budget}"
+                return (f"micro-batch plan: rank {dp_rank}'s micro-batch {j} holds {tokens} tokens, "
+                        f"over the budget {budget}")
     return None
 
 

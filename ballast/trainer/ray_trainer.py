@@ -16,7 +16,7 @@ from typing import Dict, Optional
 import numpy as np
 from tqdm import tqdm
 
-from ballast.balance import FlopsModel, balance_batch
+from ballast.balance import BalancePlan, FlopsModel, balance_batch, balance_metrics, plan_step, workload_costs
 from ballast.protocol import Batch
 from ballast.trainer.algorithms import get_adv_estimator, kl_penalty, make_kl_controller, masked_mean
 from ballast.trainer.charts import per_rank_tokens, save_balance_chart
@@ -28,7 +28,7 @@ from ballast.trainer.monitor import (
     DynamicBatchVisualizer, balancer_line, micro_batch_metrics, monitor_lines, rank_load_metrics, should_report,
 )
 from ballast.trainer.step_plans import plan_update
-from ballast.workers.train_loop import MICRO_TOKENS_KEY, MINI_BATCH_PLANS_KEY
+from ballast.workers.train_loop import LOG_PROB_PLAN_KEY, MICRO_TOKENS_KEY, MINI_BATCH_PLANS_KEY
 from ballast.trainer.reward import RewardManager
 from ballast.trainer.roles import Workers
 from ballast.trainer.tracking import Tracker
@@ -147,7 +147,17 @@ class RayPPOTrainer:
         lengths = batch["attention_mask"].sum(-1).numpy()
         dp = self.sizes.actor.dp_size
         groups = batch["uid"] if self.cfg.trainer.balance_keep_groups else None
-        plan = balance_batch(lengths, dp, workload=self.workload, group_ids=groups)
+        infer = self.sizes.actor.infer
+        bucketed = self.cfg.actor_rollout_ref.actor.dynamic_bsz_bucketing
+        if self.cfg.trainer.balance_batch and infer.use_dynamic_bsz and not bucketed:
+            # The old-log-prob pass is one mini-batch of the whole step: plan ranks and micro-batches together.
+            step_plan = plan_step(lengths, dp, infer.micro_token_budget, workload=self.workload, group_ids=groups)
+            costs = workload_costs(lengths, self.workload)
+            plan = BalancePlan(step_plan.order, step_plan.partitions,
+                               balance_metrics(lengths, costs, step_plan.partitions, dp))
+            batch.meta[LOG_PROB_PLAN_KEY] = step_plan.local_micro_batches()
+        else:
+            plan = balance_batch(lengths, dp, workload=self.workload, group_ids=groups)
         if self.cfg.trainer.balance_batch:
             batch.reorder(plan.order)
             metrics = dict(plan.metrics)
@@ -165,6 +175,7 @@ class RayPPOTrainer:
 
     def compute_old_log_probs(self, batch: Batch) -> Dict[str, float]:
         out = self.workers.actor_rollout.compute_log_prob(batch)
+        batch.meta.pop(LOG_PROB_PLAN_KEY, None)  # consumed: later phases plan their own
         entropy = out.pop("entropy")["entropy"]
         batch["old_log_probs"] = out["old_log_probs"]
         metrics = {"actor/entropy": float(masked_mean(entropy, batch["response_mask"]))}

@@ -72,7 +72,8 @@ def plan_update(
                 per_rank[r].append(idx[part])
             plans.append(step.local_micro_batches())
             ratios.append(step.lockstep_cost / step.lower_bound if step.lower_bound > 0 else 1.0)
-            attainable.append(step.lockstep_cost / step.attainable_lower_bound if step.attainable_lower_bound > 0 else 1.0)
+            bound = step.attainable_lower_bound
+            attainable.append(step.lockstep_cost / bound if bound > 0 else 1.0)
     rows = np.concatenate([np.concatenate(parts) for parts in per_rank])
     metrics = {"plan/lockstep_over_lower_bound": float(np.mean(ratios)),
                "plan/lockstep_over_attainable_bound": float(np.mean(attainable)),

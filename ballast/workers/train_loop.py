@@ -45,6 +45,8 @@ def adaptive_grad_clip(grad_clip: float, num_samples: int, min_batch_size: int |
 
 MICRO_TOKENS_KEY = "micro_batch_tokens_per_rank"
 MINI_BATCH_PLANS_KEY = "mini_batch_plans"
+# The driver's central plan of the old-log-prob pass (the whole step as one mini-batch), in meta.
+LOG_PROB_PLAN_KEY = "log_prob_micro_batch_plan"
 
 
 def _planned_mini_batches(num_samples: int, mini_batch_samples: int, plans: list) -> Iterator[np.ndarray]:

@@ -142,7 +142,9 @@ def _invariance_worker(rank, world, root, model_dir, sp):
         engine = TrainEngine(cfg, parallel=parallel)
         for spec_name in spec_names:
             spec = specs[spec_name]
-            batch, plan = (central_local, central.local_micro_batches()) if spec_name == "central-tight" else (local, None)
+            batch, plan = local, None
+            if spec_name == "central-tight":
+                batch, plan = central_local, central.local_micro_batches()
             for mode in LOSS_AGG_MODES:
                 metrics = engine.forward_backward_batch(
                     batch, partial(rl_loss, mode=mode), spec, temperature=TEMPERATURE, calculate_entropy=True,
