@@ -15,6 +15,9 @@ a hard token cap with the same count on every rank, and keeps the one with the l
   grown from ``ceil(tokens / cap)`` until every rank fits (the classic dynamic-batch recipe),
   aligned by cost and refined by the same lockstep exchanges.
 
+The alternatives are built only for ranks of at most 32 samples (see
+``_ALTERNATIVES_MAX_SAMPLES_PER_RANK``); larger mini-batches get the joint plan alone.
+
 The first is the previous planner; keeping the cheapest makes the result never worse than any of
 them on the cost model. :func:`lockstep_lower_bounds` gives the perfect-split bound and a tighter
 one that accounts for indivisible samples and the per-micro-batch cap.
@@ -36,6 +39,11 @@ from .workload import Workload, workload_costs
 
 # How many times the per-rank Karmarkar-Karp candidate may grow its count before it is dropped.
 _KK_MAX_GROWTH = 2
+# The alternative candidates are built only when ranks hold at most this many samples: there a few
+# long samples decide each micro-step and the choice of partition matters; with many samples per
+# rank the joint plan is already within a fraction of a percent of the bound, and the extra
+# candidates would double the planning time the driver spends every mini-batch.
+_ALTERNATIVES_MAX_SAMPLES_PER_RANK = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,8 +146,10 @@ def _kk_micro(tokens: list[np.ndarray], max_tokens: int) -> list[list[np.ndarray
     return None
 
 
-def _candidate_partitions(tokens: np.ndarray, dp: int, workload: Workload, group_ids: Any):
+def _candidate_partitions(tokens: np.ndarray, dp: int, workload: Workload, group_ids: Any, alternatives: bool):
     yield "joint", balance_batch(tokens, dp, workload=workload, group_ids=group_ids).partitions
+    if not alternatives:
+        return
     if group_ids is None:
         parts = karmarkar_karp(workload_costs(tokens, "verl"), dp, equal_size=True)
         yield "kk_verl_dp", [np.asarray(p, dtype=np.int64) for p in parts]
@@ -168,11 +178,12 @@ def plan_step(
         raise ValueError(f"plan_step needs a positive number of samples divisible by dp={dp}, got N={n}")
     costs = workload_costs(tokens, workload)
     best: tuple[float, str, list[list[np.ndarray]]] | None = None
-    for name, parts in _candidate_partitions(tokens, dp, workload, group_ids):
+    alternatives = n // dp <= _ALTERNATIVES_MAX_SAMPLES_PER_RANK
+    for name, parts in _candidate_partitions(tokens, dp, workload, group_ids, alternatives):
         rank_tokens = [tokens[p] for p in parts]
         rank_costs = [costs[p] for p in parts]
         local_plans = {name: plan_joint_micro_batches(rank_tokens, max_tokens, workload=workload)}
-        kk = _kk_micro(rank_tokens, max_tokens)
+        kk = _kk_micro(rank_tokens, max_tokens) if alternatives else None
         if kk is not None:
             local_plans[f"{name}_kk_micro"] = _align_and_refine(rank_costs, rank_tokens, kk, max_tokens)
         for cand, local in local_plans.items():
