@@ -33,14 +33,15 @@ class UpdatePlan:
 
 
 def _epoch_order(n: int, rng: Optional[np.random.Generator], group_ids: Any) -> np.ndarray:
-    if rng is None:
-        return np.arange(n)
+    """Sample order of one epoch; with groups, each group's samples are adjacent (in first-seen group
+    order without shuffling) so that mini-batch cuts do not split groups."""
     if group_ids is None:
-        return rng.permutation(n)
+        return np.arange(n) if rng is None else rng.permutation(n)
     _, first, inverse = np.unique(np.asarray(group_ids), return_index=True, return_inverse=True)
     inverse = inverse.reshape(-1)
     members = [np.flatnonzero(inverse == g) for g in np.argsort(first, kind="stable")]
-    return np.concatenate([members[g] for g in rng.permutation(len(members))])
+    groups = np.arange(len(members)) if rng is None else rng.permutation(len(members))
+    return np.concatenate([members[g] for g in groups])
 
 
 def plan_update(

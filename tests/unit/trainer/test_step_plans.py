@@ -53,3 +53,16 @@ def test_without_shuffle_mini_batches_are_consecutive_samples():
     assert sorted(np.concatenate([chunks[0][:2], chunks[1][:2]]).tolist()) == [0, 1, 2, 3]
     with pytest.raises(ValueError, match="not a multiple of the mini-batch size 3"):
         plan_update(lengths, 2, 3, 100, 1, shuffle=False, seed=0)
+
+
+def test_groups_scattered_in_the_batch_are_not_split_by_mini_batch_cuts():
+    # after the step-level reorder a group's samples need not be adjacent
+    uids = np.array([0, 1, 1, 2, 0, 2, 3, 3])
+    lengths = np.array([10, 20, 30, 40, 50, 60, 70, 80])
+    plan = plan_update(lengths, 2, 4, 200, 1, shuffle=False, seed=0, group_ids=uids)
+    chunks = _rank_chunks(plan, 2)
+    for m in range(2):
+        rows = np.concatenate([chunks[r][m * 2:(m + 1) * 2] for r in range(2)])
+        assert sorted(set(uids[rows].tolist())) in ([0, 1], [2, 3])  # whole groups per mini-batch
+        for r in range(2):
+            assert len(set(uids[chunks[r][m * 2:(m + 1) * 2]].tolist())) == 1
