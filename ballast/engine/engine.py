@@ -2,8 +2,9 @@
 
 One call of `forward_backward_batch` processes one mini-batch (this rank's share):
 
-1. preflight, collective over the DP group: check the layout, agree the micro-batch count (MAX), and
-   sum the loss tokens and sequences into a `GlobalNorm` (SUM);
+1. preflight, collective over the DP group: check the layout (and an explicit central plan, if the
+   caller passes one), agree the micro-batch count (MAX; not needed with a central plan), and sum the
+   loss tokens and sequences into a `GlobalNorm` (SUM);
 2. for every micro-batch: forward (padded, packed, or packed + Ulysses), `loss_fn(outputs, micro,
    norm)`, backward. The loss returned by `loss_fn` is the micro-batch's exact share of the mini-batch
    loss, so summing over micro-batches and DP ranks gives the mini-batch loss;
