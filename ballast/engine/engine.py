@@ -2,8 +2,9 @@
 
 One call of `forward_backward_batch` processes one mini-batch (this rank's share):
 
-1. preflight, collective over the DP group: check the layout, agree the micro-batch count (MAX), and
-   sum the loss tokens and sequences into a `GlobalNorm` (SUM);
+1. preflight, collective over the DP group: check the layout (and an explicit central plan, if the
+   caller passes one), agree the micro-batch count (MAX; not needed with a central plan), and sum the
+   loss tokens and sequences into a `GlobalNorm` (SUM);
 2. for every micro-batch: forward (padded, packed, or packed + Ulysses), `loss_fn(outputs, micro,
    norm)`, backward. The loss returned by `loss_fn` is the micro-batch's exact share of the mini-batch
    loss, so summing over micro-batches and DP ranks gives the mini-batch loss;
@@ -35,6 +36,7 @@ from ballast.engine.micro_batch import (
     MicroBatchPlan,
     agree_max,
     dummy_micro_batch,
+    explicit_plan,
     plan_micro_batches,
     restore_order,
     split_micro_batches,
@@ -105,14 +107,18 @@ class TrainEngine:
         self.last_micro_batch_tokens: list[list[int]] = []
 
     # ------------------------------------------------------------------ mini-batch execution
-    def _preflight(self, data: TensorDict, spec: MicroBatchSpec) -> tuple[GlobalNorm, MicroBatchPlan]:
+    def _preflight(self, data: TensorDict, spec: MicroBatchSpec, plan=None) -> tuple[GlobalNorm, MicroBatchPlan]:
         error = _check_batch(data)
         group, device = self.parallel.dp_group, self.parallel.device
+        given = None
+        if error is None and plan is not None:
+            given, error = explicit_plan(plan, spec, self.parallel.sp_size, self.parallel.dp_size,
+                                         self.parallel.dp_rank, sequence_lengths(data["attention_mask"]).cpu().numpy())
         local_response_len = 0 if error else int(data["responses"].shape[-1])
-        # One MAX all-reduce: a malformed batch on any DP rank makes every rank raise here.
+        # One MAX all-reduce: a malformed batch or plan on any DP rank makes every rank raise here.
         any_error, response_len = agree_max([int(error is not None), local_response_len], group, device)
         if any_error:
-            raise ValueError(error or "another DP rank received a malformed mini-batch")
+            raise ValueError(error or "another DP rank received a malformed mini-batch or micro-batch plan")
         self._check_sp_peers_agree(data)
         counts = torch.tensor(
             [float(data["response_mask"].sum()), float(data.batch_size[0])], dtype=torch.float64, device=device
@@ -123,7 +129,11 @@ class TrainEngine:
         lengths = sequence_lengths(data["attention_mask"]).cpu().numpy()
         prompt_width = data["input_ids"].shape[1] - data["responses"].shape[1]
         prompt_lengths = data["attention_mask"][:, :prompt_width].sum(-1).cpu().numpy()
-        plan = plan_micro_batches(lengths, spec, self.parallel.sp_size, group, device, prompt_lengths, self.workload)
+        if given is not None:
+            plan = given
+        else:
+            plan = plan_micro_batches(lengths, spec, self.parallel.sp_size, group, device, prompt_lengths,
+                                      self.workload)
         self._last_micro_tokens = [int(lengths[idx].sum()) for idx in plan.micro_indices]
         return norm, plan
 
@@ -164,8 +174,12 @@ class TrainEngine:
         forward_only: bool = False,
         temperature: float = 1.0,
         calculate_entropy: bool = False,
+        plan=None,
     ) -> dict[str, float]:
         """Forward (and backward) this rank's mini-batch; gradients accumulate into `.grad`.
+
+        `plan`: an optional central plan, `plan[r][j]` = row indices of DP rank r's j-th micro-batch
+        (the same object on every rank); without it the rank plans its own micro-batches.
 
         `loss_fn(outputs, micro, norm) -> (loss, metrics)`: outputs are `log_probs` (+`entropy`) or
         `values`, (B_micro, R); loss and every metric must be the micro-batch's SHARE of the mini-batch
@@ -174,7 +188,7 @@ class TrainEngine:
         """
         if not forward_only and not self.cfg.trainable:
             raise ValueError(f"role {self.cfg.role!r} has no optimizer; call with forward_only=True")
-        norm, plan = self._preflight(data, spec)
+        norm, plan = self._preflight(data, spec, plan)
         opts = self._forward_options(temperature, calculate_entropy)
         device = self.parallel.device
         seq_len, response_len = data["input_ids"].shape[1], data["responses"].shape[1]
@@ -220,10 +234,12 @@ class TrainEngine:
 
     @torch.no_grad()
     def infer_batch(
-        self, data: TensorDict, spec: MicroBatchSpec, temperature: float = 1.0, calculate_entropy: bool = False
+        self, data: TensorDict, spec: MicroBatchSpec, temperature: float = 1.0, calculate_entropy: bool = False,
+        plan=None,
     ) -> TensorDict:
-        """`log_probs` (+`entropy`) for actor/ref, `values` for a critic: (B, R), input row order."""
-        _, plan = self._preflight(data, spec)
+        """`log_probs` (+`entropy`) for actor/ref, `values` for a critic: (B, R), input row order.
+        `plan`: an optional central micro-batch plan, as in `forward_backward_batch`."""
+        _, plan = self._preflight(data, spec, plan)
         opts = self._forward_options(temperature, calculate_entropy)
         self.model.eval()
         per_key: dict[str, list[torch.Tensor]] = {}

@@ -16,7 +16,7 @@ from typing import Dict, Optional
 import numpy as np
 from tqdm import tqdm
 
-from ballast.balance import FlopsModel, balance_batch
+from ballast.balance import BalancePlan, FlopsModel, balance_batch, balance_metrics, plan_step, workload_costs
 from ballast.protocol import Batch
 from ballast.trainer.algorithms import get_adv_estimator, kl_penalty, make_kl_controller, masked_mean
 from ballast.trainer.charts import per_rank_tokens, save_balance_chart
@@ -27,8 +27,9 @@ from ballast.trainer.metrics import data_metrics, throughput_metrics
 from ballast.trainer.monitor import (
     DynamicBatchVisualizer, balancer_line, micro_batch_metrics, monitor_lines, rank_load_metrics, should_report,
 )
-from ballast.workers.train_loop import MICRO_TOKENS_KEY
+from ballast.trainer.step_plans import plan_update
 from ballast.workers.rollout.base import validation_call_index
+from ballast.workers.train_loop import LOG_PROB_PLAN_KEY, MICRO_TOKENS_KEY, MINI_BATCH_PLANS_KEY
 from ballast.trainer.reward import RewardManager
 from ballast.trainer.roles import Workers
 from ballast.trainer.tracking import Tracker
@@ -111,9 +112,10 @@ class RayPPOTrainer:
                 metrics.update(self.compute_advantages(batch))
             if self.sizes.use_critic:
                 with _timer(timing, "update_critic"):
-                    critic_metrics = self.workers.critic.update_critic(batch)[0]
+                    critic_batch, plan_metrics = self.central_plan(batch, "critic")
+                    critic_metrics = self.workers.critic.update_critic(critic_batch)[0]
                     critic_metrics.pop(MICRO_TOKENS_KEY, None)
-                    metrics.update(critic_metrics)
+                    metrics.update(critic_metrics, **plan_metrics)
             if step > self.cfg.trainer.critic_warmup:
                 with _timer(timing, "update_actor"):
                     metrics.update(self.update_actor(batch))
@@ -144,7 +146,17 @@ class RayPPOTrainer:
         lengths = batch["attention_mask"].sum(-1).numpy()
         dp = self.sizes.actor.dp_size
         groups = batch["uid"] if self.cfg.trainer.balance_keep_groups else None
-        plan = balance_batch(lengths, dp, workload=self.workload, group_ids=groups)
+        infer = self.sizes.actor.infer
+        bucketed = self.cfg.actor_rollout_ref.actor.dynamic_bsz_bucketing
+        if self.cfg.trainer.balance_batch and infer.use_dynamic_bsz and not bucketed:
+            # The old-log-prob pass is one mini-batch of the whole step: plan ranks and micro-batches together.
+            step_plan = plan_step(lengths, dp, infer.micro_token_budget, workload=self.workload, group_ids=groups)
+            costs = workload_costs(lengths, self.workload)
+            plan = BalancePlan(step_plan.order, step_plan.partitions,
+                               balance_metrics(lengths, costs, step_plan.partitions, dp))
+            batch.meta[LOG_PROB_PLAN_KEY] = step_plan.local_micro_batches()
+        else:
+            plan = balance_batch(lengths, dp, workload=self.workload, group_ids=groups)
         if self.cfg.trainer.balance_batch:
             batch.reorder(plan.order)
             metrics = dict(plan.metrics)
@@ -162,6 +174,7 @@ class RayPPOTrainer:
 
     def compute_old_log_probs(self, batch: Batch) -> Dict[str, float]:
         out = self.workers.actor_rollout.compute_log_prob(batch)
+        batch.meta.pop(LOG_PROB_PLAN_KEY, None)  # consumed: later phases plan their own
         entropy = out.pop("entropy")["entropy"]
         batch["old_log_probs"] = out["old_log_probs"]
         metrics = {"actor/entropy": float(masked_mean(entropy, batch["response_mask"]))}
@@ -194,8 +207,28 @@ class RayPPOTrainer:
         batch["advantages"], batch["returns"] = adv, returns
         return metrics
 
+    def central_plan(self, batch: Batch, role: str) -> tuple[Batch, Dict[str, float]]:
+        """The update batch of `role` laid out and planned centrally (every epoch's mini-batches, each
+        rank's samples and micro-batches, see `step_plans`), or `batch` unchanged when the role's
+        micro-batches are static or length-bucketed or balancing is off (its ranks then plan alone)."""
+        sizes = getattr(self.sizes, role)
+        role_cfg = self.cfg.actor_rollout_ref.actor if role == "actor" else self.cfg.critic
+        bucketed = bool(getattr(role_cfg, "dynamic_bsz_bucketing", False))
+        if not (self.cfg.trainer.balance_batch and sizes.train.use_dynamic_bsz) or bucketed:
+            return batch, {}
+        groups = batch["uid"] if self.cfg.trainer.balance_keep_groups else None
+        plan = plan_update(batch["attention_mask"].sum(-1).numpy(), sizes.dp_size, sizes.mini_batch_samples,
+                           sizes.train.micro_token_budget, role_cfg.ppo_epochs, role_cfg.shuffle,
+                           seed=[self.cfg.trainer.seed, self.global_step, int(role == "critic")],
+                           workload=self.workload, group_ids=groups)
+        planned = batch[plan.rows]
+        planned.meta[MINI_BATCH_PLANS_KEY] = plan.plans
+        return planned, {f"balance/{role}_{key}": value for key, value in plan.metrics.items()}
+
     def update_actor(self, batch: Batch) -> Dict[str, float]:
-        metrics = self.workers.actor_rollout.update_actor(batch)[0]
+        actor_batch, plan_metrics = self.central_plan(batch, "actor")
+        metrics = self.workers.actor_rollout.update_actor(actor_batch)[0]
+        metrics.update(plan_metrics)
         micro_tokens = metrics.pop(MICRO_TOKENS_KEY, [])
         self._step_view["micro_tokens"] = micro_tokens
         metrics.update(micro_batch_metrics(micro_tokens))

@@ -24,7 +24,7 @@ from ballast.protocol import Batch
 from ballast.single_controller import Dispatch, Worker, register
 from ballast.workers.rollout import build_backend, new_tp_group, tp_generate
 from ballast.workers.spec import ActorRolloutRefSpec
-from ballast.workers.train_loop import run_train_loop
+from ballast.workers.train_loop import LOG_PROB_PLAN_KEY, MINI_BATCH_PLANS_KEY, run_train_loop
 
 ENGINE_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
 PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
@@ -109,7 +109,7 @@ class ActorRolloutRefWorker(Worker):
         """Old log-probs (and per-token entropy, for the metric) under the current actor."""
         actor = self._require(self.actor, "actor")
         out = actor.infer_batch(engine_input(batch), self.spec.actor_infer, temperature=self.spec.temperature,
-                                calculate_entropy=True)
+                                calculate_entropy=True, plan=batch.meta.get(LOG_PROB_PLAN_KEY))
         return Batch({"old_log_probs": out["log_probs"].cpu(), "entropy": out["entropy"].cpu()})
 
     @register(Dispatch.MESH, mesh="ref")
@@ -122,7 +122,8 @@ class ActorRolloutRefWorker(Worker):
     def update_actor(self, batch: Batch) -> Dict[str, float]:
         actor = self._require(self.actor, "actor")
         data = engine_input(batch, ("old_log_probs", "advantages", "ref_log_prob"))
-        metrics = run_train_loop(actor, data, self.spec.actor_train, actor.parallel.dp_rank, "actor")
+        metrics = run_train_loop(actor, data, self.spec.actor_train, actor.parallel.dp_rank, "actor",
+                                 plans=batch.meta.get(MINI_BATCH_PLANS_KEY))
         self._weights_stale = self.rollout is not None
         return metrics
 

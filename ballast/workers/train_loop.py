@@ -4,12 +4,16 @@ Pure bookkeeping around the engine: which rows form each mini-batch (optionally 
 seed + dp rank, so DP ranks shuffle differently but reproducibly), one optimizer step per
 mini-batch, and metrics averaged over mini-batches (each engine metric is already a mini-batch-global
 value, identical on every DP rank).
+
+With a central plan from the driver (`plans`, shipped in `meta[MINI_BATCH_PLANS_KEY]`), the driver
+has already cut, shuffled and laid out the mini-batches of every epoch: mini-batch m is rows
+[m * size, (m + 1) * size) of this rank's data and runs the micro-batches `plans[m]` names.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Dict, Iterator, List
+from typing import Dict, Iterator, List, Optional
 
 import numpy as np
 from tensordict import TensorDict
@@ -40,22 +44,40 @@ def adaptive_grad_clip(grad_clip: float, num_samples: int, min_batch_size: int |
 
 
 MICRO_TOKENS_KEY = "micro_batch_tokens_per_rank"
+MINI_BATCH_PLANS_KEY = "mini_batch_plans"
+# The driver's central plan of the old-log-prob pass (the whole step as one mini-batch), in meta.
+LOG_PROB_PLAN_KEY = "log_prob_micro_batch_plan"
 
 
-def run_train_loop(engine, data: TensorDict, spec: TrainLoopSpec, dp_rank: int, prefix: str) -> Dict[str, object]:
-    """Train on `data` (this rank's share of the step).
+def _planned_mini_batches(num_samples: int, mini_batch_samples: int, plans: list) -> Iterator[np.ndarray]:
+    if num_samples != len(plans) * mini_batch_samples:
+        raise ValueError(
+            f"this rank holds {num_samples} samples but the central plan has {len(plans)} mini-batches of "
+            f"mini_batch_samples_per_rank={mini_batch_samples}"
+        )
+    for m in range(len(plans)):
+        yield np.arange(m * mini_batch_samples, (m + 1) * mini_batch_samples)
+
+
+def run_train_loop(engine, data: TensorDict, spec: TrainLoopSpec, dp_rank: int, prefix: str,
+                   plans: Optional[list] = None) -> Dict[str, object]:
+    """Train on `data` (this rank's share of the step), planning per rank or following `plans`.
 
     Returns metrics averaged over mini-batches, plus, under `MICRO_TOKENS_KEY`, the real tokens of
     every micro-batch each DP rank ran during the whole update (one list per DP rank).
     """
     history: Dict[str, List[float]] = defaultdict(list)
     micro_tokens: List[List[int]] = []
-    indices = mini_batch_indices(data.batch_size[0], spec.mini_batch_samples_per_rank, spec.ppo_epochs,
-                                 spec.shuffle, spec.seed + dp_rank)
-    for rows in indices:
+    if plans is None:
+        indices = mini_batch_indices(data.batch_size[0], spec.mini_batch_samples_per_rank, spec.ppo_epochs,
+                                     spec.shuffle, spec.seed + dp_rank)
+    else:
+        indices = _planned_mini_batches(data.batch_size[0], spec.mini_batch_samples_per_rank, plans)
+    for m, rows in enumerate(indices):
         engine.zero_grad()
         out = engine.forward_backward_batch(data[rows], spec.loss_fn, spec.micro, temperature=spec.temperature,
-                                            calculate_entropy=spec.calculate_entropy)
+                                            calculate_entropy=spec.calculate_entropy,
+                                            plan=None if plans is None else plans[m])
         clip = None
         if spec.grad_clip_min_batch_size is not None and engine.cfg.grad_clip is not None:
             clip = adaptive_grad_clip(engine.cfg.grad_clip, int(out["num_sequences"]), spec.grad_clip_min_batch_size)
