@@ -2,8 +2,9 @@
 
 Pure bookkeeping around the engine: which rows form each mini-batch (optionally shuffled with
 seed + dp rank, so DP ranks shuffle differently but reproducibly), one optimizer step per
-mini-batch, and metrics averaged over mini-batches (each engine metric is already a mini-batch-global
-value, identical on every DP rank).
+mini-batch, one learning-rate schedule step per call (the schedule's warmup and length are counted
+in training steps, as verl's), and metrics averaged over mini-batches (each engine metric is already
+a mini-batch-global value, identical on every DP rank); running counters report their last value.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def run_train_loop(engine, data: TensorDict, spec: TrainLoopSpec, dp_rank: int, 
     micro_tokens: List[List[int]] = []
     indices = mini_batch_indices(data.batch_size[0], spec.mini_batch_samples_per_rank, spec.ppo_epochs,
                                  spec.shuffle, spec.seed + dp_rank)
+    skipped_total = None
     for rows in indices:
         engine.zero_grad()
         out = engine.forward_backward_batch(data[rows], spec.loss_fn, spec.micro, temperature=spec.temperature,
@@ -59,7 +61,7 @@ def run_train_loop(engine, data: TensorDict, spec: TrainLoopSpec, dp_rank: int, 
         clip = None
         if spec.grad_clip_min_batch_size is not None and engine.cfg.grad_clip is not None:
             clip = adaptive_grad_clip(engine.cfg.grad_clip, int(out["num_sequences"]), spec.grad_clip_min_batch_size)
-        step = engine.optimizer_step(grad_clip=clip)
+        step = engine.optimizer_step(grad_clip=clip, step_scheduler=False)
         for rank, tokens in enumerate(engine.last_micro_batch_tokens):
             if rank == len(micro_tokens):
                 micro_tokens.append([])
@@ -70,9 +72,12 @@ def run_train_loop(engine, data: TensorDict, spec: TrainLoopSpec, dp_rank: int, 
         history[f"{prefix}/grad_norm"].append(step["grad_norm"])
         history[f"{prefix}/lr"].append(step["lr"])
         history[f"{prefix}/step_skipped"].append(step["step_skipped"])
-        history[f"{prefix}/skipped_steps_total"].append(step["skipped_steps"])
+        skipped_total = step["skipped_steps"]
         if clip is not None:
             history[f"{prefix}/grad_clip_effective"].append(clip)
+    engine.lr_scheduler_step()
     result: Dict[str, object] = {key: float(np.mean(values)) for key, values in history.items()}
+    if skipped_total is not None:  # a running count: its mean over mini-batches would mean nothing
+        result[f"{prefix}/skipped_steps_total"] = float(skipped_total)
     result[MICRO_TOKENS_KEY] = micro_tokens
     return result
