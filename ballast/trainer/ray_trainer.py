@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 from tqdm import tqdm
@@ -19,6 +19,8 @@ from tqdm import tqdm
 from ballast.balance import FlopsModel, balance_batch
 from ballast.protocol import Batch
 from ballast.trainer.algorithms import get_adv_estimator, kl_penalty, make_kl_controller, masked_mean
+from ballast.trainer.algorithms.policy_loss import actor_constant_metrics
+from ballast.trainer.builders import actor_loss_config
 from ballast.trainer.charts import per_rank_tokens, save_balance_chart
 from ballast.trainer.checkpointing import CheckpointManager, rng_state, set_rng_state
 from ballast.trainer.config import BallastConfig, DerivedSizes
@@ -50,6 +52,7 @@ class RayPPOTrainer:
         workload = cfg.trainer.balance_workload
         self.workload = FlopsModel.from_hf_config(model_config) if workload == "flops" else workload
         self.total_steps = data.total_steps
+        self.actor_loss_cfg = actor_loss_config(cfg)
         self.global_step = 0
         self._nonfinite_in_a_row = 0
         self._step_view: Dict[str, object] = {}  # what the monitor needs from the current step
@@ -115,7 +118,7 @@ class RayPPOTrainer:
                     critic_metrics = self.workers.critic.update_critic(batch)[0]
                     critic_metrics.pop(MICRO_TOKENS_KEY, None)
                     metrics.update(critic_metrics)
-            if step > self.cfg.trainer.critic_warmup:
+            if actor_updates_at(step, self.cfg.trainer.critic_warmup):
                 with _timer(timing, "update_actor"):
                     metrics.update(self.update_actor(batch))
         metrics.update(data_metrics(batch, self.cfg.data.max_response_length, self.sizes.use_critic))
@@ -182,10 +185,7 @@ class RayPPOTrainer:
         rewards = batch["token_level_scores"]
         if alg.use_kl_in_reward:
             kld = kl_penalty(batch["old_log_probs"], batch["ref_log_prob"], alg.kl_penalty) * mask
-            rewards = rewards - self.kl_ctrl.value * kld
-            current_kl = float(masked_mean(kld, mask, dim=-1).mean())  # per-sequence mean, then batch mean
-            self.kl_ctrl.update(current_kl, n_steps=len(batch))
-            metrics.update({"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": self.kl_ctrl.value})
+            rewards, metrics = apply_kl_in_reward(rewards, kld, mask, self.kl_ctrl)
         batch["token_level_rewards"] = rewards
         adv, returns = get_adv_estimator(alg.adv_estimator)(
             token_level_rewards=rewards, response_mask=mask, index=batch["uid"],
@@ -197,6 +197,7 @@ class RayPPOTrainer:
 
     def update_actor(self, batch: Batch) -> Dict[str, float]:
         metrics = self.workers.actor_rollout.update_actor(batch)[0]
+        metrics.update(actor_constant_metrics(self.actor_loss_cfg))
         micro_tokens = metrics.pop(MICRO_TOKENS_KEY, [])
         self._step_view["micro_tokens"] = micro_tokens
         metrics.update(micro_batch_metrics(micro_tokens))
@@ -285,6 +286,25 @@ class RayPPOTrainer:
         print(f"ballast: resumed from {path} at step {self.global_step}")
         self._resumed_from = path
         return path
+
+
+def actor_updates_at(step: int, critic_warmup: int) -> bool:
+    """verl's rule: the actor trains from step `critic_warmup` on (steps count from 1), so
+    critic_warmup=W trains only the critic on steps 1..W-1 and critic_warmup <= 1 changes nothing."""
+    return step >= critic_warmup
+
+
+def apply_kl_in_reward(scores, kld, mask, kl_ctrl) -> Tuple[object, Dict[str, float]]:
+    """rewards = scores - beta * kl with the coefficient beta of this step, then the controller update.
+
+    The logged coefficient is the one applied to this step's rewards (as verl logs it), not the
+    updated one that the next step will use.
+    """
+    beta = kl_ctrl.value
+    rewards = scores - beta * kld
+    current_kl = float(masked_mean(kld, mask, dim=-1).mean())  # per-sequence mean, then batch mean
+    kl_ctrl.update(current_kl, n_steps=int(scores.shape[0]))
+    return rewards, {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
 
 
 @contextlib.contextmanager

@@ -86,9 +86,17 @@ def actor_loss(outputs: Dict[str, torch.Tensor], micro, norm, *, cfg: ActorLossC
         kld = kl_penalty(outputs["log_probs"], micro["ref_log_prob"], cfg.kl_loss_type)
         kl_loss = agg_loss(kld, mask, cfg.loss_agg_mode, norm)
         metrics["actor/kl_loss"] = kl_loss.detach()
-        metrics["actor/kl_coef"] = torch.tensor(cfg.kl_loss_coef)
         loss = loss + cfg.kl_loss_coef * kl_loss
     return loss, {k: v.detach() if torch.is_tensor(v) else v for k, v in metrics.items()}
+
+
+def actor_constant_metrics(cfg: ActorLossConfig) -> Dict[str, float]:
+    """Metrics that are constants of the config, logged by the driver.
+
+    The engine sums what a loss returns over micro-batches and DP ranks (every loss metric is a
+    share), so a constant returned by the loss would be logged multiplied by the micro-batch count.
+    """
+    return {"actor/kl_coef": cfg.kl_loss_coef} if cfg.use_kl_loss else {}
 
 
 @dataclass(frozen=True)
