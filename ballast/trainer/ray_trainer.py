@@ -70,6 +70,10 @@ class RayPPOTrainer:
         self.tracker.rewind(self.global_step)
         t = self.cfg.trainer
         last: Dict[str, float] = {}
+        if t.val_only:  # verl: validate the current (possibly resumed) policy once, no training
+            metrics = self.validate()
+            self.tracker.log(metrics, step=self.global_step)
+            return metrics
         if t.val_before_train and self.data.val is not None and self.global_step == 0:
             self.tracker.log(self.validate(), step=0)
         bar = tqdm(total=self.total_steps, initial=self.global_step, desc="training", unit="step", dynamic_ncols=True)

@@ -9,7 +9,7 @@ values.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -37,6 +37,7 @@ class ActorLossConfig:
     clip_ratio_high: float = 0.2
     clip_ratio_c: float = 3.0
     loss_agg_mode: str = "token-mean"
+    loss_scale_factor: Optional[float] = None  # seq-mean-token-sum-norm's horizon (None: response width)
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
@@ -65,7 +66,7 @@ def vanilla_policy_loss(*, log_prob, old_log_prob, advantages, response_mask, no
                                             "token-mean", norm),
         "actor/ppo_kl": agg_loss(-log_ratio, response_mask, "token-mean", norm),
     }
-    return agg_loss(per_token, response_mask, mode, norm), metrics
+    return agg_loss(per_token, response_mask, mode, norm, cfg.loss_scale_factor), metrics
 
 
 def actor_loss(outputs: Dict[str, torch.Tensor], micro, norm, *, cfg: ActorLossConfig):
@@ -78,13 +79,13 @@ def actor_loss(outputs: Dict[str, torch.Tensor], micro, norm, *, cfg: ActorLossC
     loss = pg_loss
     metrics["actor/pg_loss"] = pg_loss.detach()
     if "entropy" in outputs:
-        entropy = agg_loss(outputs["entropy"], mask, cfg.loss_agg_mode, norm)
+        entropy = agg_loss(outputs["entropy"], mask, cfg.loss_agg_mode, norm, cfg.loss_scale_factor)
         metrics["actor/entropy"] = entropy.detach()
         if cfg.entropy_coeff:
             loss = loss - cfg.entropy_coeff * entropy
     if cfg.use_kl_loss:
         kld = kl_penalty(outputs["log_probs"], micro["ref_log_prob"], cfg.kl_loss_type)
-        kl_loss = agg_loss(kld, mask, cfg.loss_agg_mode, norm)
+        kl_loss = agg_loss(kld, mask, cfg.loss_agg_mode, norm, cfg.loss_scale_factor)
         metrics["actor/kl_loss"] = kl_loss.detach()
         loss = loss + cfg.kl_loss_coef * kl_loss
     return loss, {k: v.detach() if torch.is_tensor(v) else v for k, v in metrics.items()}

@@ -24,6 +24,7 @@ class DataConfig:
     train_batch_size: int
     val_batch_size: Optional[int]
     truncation: str
+    return_raw_chat: bool
     filter_overlong_prompts: bool
     shuffle: bool
     seed: int
@@ -48,7 +49,8 @@ class OptimConfig:
     weight_decay: float
     lr_warmup_steps: int
     lr_warmup_steps_ratio: float
-    warmup_style: str
+    lr_scheduler_type: str
+    warmup_style: Optional[str]  # verl's deprecated spelling; when set it overrides lr_scheduler_type
     min_lr_ratio: float
     total_training_steps: int
 
@@ -57,12 +59,14 @@ class OptimConfig:
 class FSDPConfig:
     param_offload: bool
     optimizer_offload: bool
+    offload_policy: bool
     reshard_after_forward: bool
 
 
 @dataclass(frozen=True)
 class RefFSDPConfig:
     param_offload: bool
+    offload_policy: bool
     reshard_after_forward: bool
 
 
@@ -91,7 +95,11 @@ class ActorConfig:
     clip_ratio_high: Optional[float]
     clip_ratio_c: float
     loss_agg_mode: str
+    loss_scale_factor: Optional[float]
     entropy_coeff: float
+    calculate_entropy: bool
+    use_torch_compile: bool
+    data_loader_seed: Optional[int]
     use_kl_loss: bool
     kl_loss_coef: float
     kl_loss_type: str
@@ -121,6 +129,7 @@ class ValKwargs:
 @dataclass(frozen=True)
 class RolloutConfig:
     name: str
+    mode: str
     temperature: float
     top_k: int
     top_p: float
@@ -219,6 +228,7 @@ class TrainerConfig:
     save_freq: int
     test_freq: int
     val_before_train: bool
+    val_only: bool
     resume_mode: str
     resume_from_path: Optional[str]
     default_local_dir: str

@@ -17,10 +17,10 @@ from ballast.trainer.config.schema import BallastConfig, OptimConfig
 DEVICES = ("auto", "cpu", "cuda")
 LOGGERS = ("console", "wandb", "tensorboard", "jsonl")
 ROLLOUT_BACKENDS = ("vllm", "hf")
-TRUNCATIONS = ("error", "left", "right", "filter")
+TRUNCATIONS = ("error", "left", "right", "middle", "filter")
 WARMUP_STYLES = ("constant", "cosine")
 KL_CONTROLLERS = ("fixed", "adaptive")
-STRATEGIES = ("fsdp2", "fsdp")
+STRATEGIES = ("fsdp2",)
 WORKLOADS = ("tokens", "verl", "flops")
 RESUME_MODES = ("auto", "disable", "resume_path")
 
@@ -62,10 +62,24 @@ def _check_names(cfg: BallastConfig, names: dict) -> None:
     _one_of("algorithm.kl_penalty", cfg.algorithm.kl_penalty, names["kl_penalty"])
     _one_of("algorithm.kl_ctrl.type", cfg.algorithm.kl_ctrl.type, KL_CONTROLLERS)
     _one_of("actor_rollout_ref.rollout.name", arr.rollout.name, ROLLOUT_BACKENDS)
-    _one_of("actor_rollout_ref.actor.strategy", actor.strategy, STRATEGIES)
-    _one_of("critic.strategy", cfg.critic.strategy, STRATEGIES)
-    _one_of("actor_rollout_ref.actor.optim.warmup_style", actor.optim.warmup_style, WARMUP_STYLES)
-    _one_of("critic.optim.warmup_style", cfg.critic.optim.warmup_style, WARMUP_STYLES)
+    for key, strategy in (("actor_rollout_ref.actor.strategy", actor.strategy), ("critic.strategy", cfg.critic.strategy)):
+        if strategy == "fsdp":
+            raise ConfigError(
+                f"{key}='fsdp' is verl's FSDP1 wrapper, which Ballast does not implement; Ballast's engine is "
+                f"FSDP2: set {key}=fsdp2 (the same sharded data-parallel training)"
+            )
+        _one_of(key, strategy, STRATEGIES)
+    for prefix, optim in (("actor_rollout_ref.actor.optim", actor.optim), ("critic.optim", cfg.critic.optim)):
+        _one_of(f"{prefix}.lr_scheduler_type", optim.lr_scheduler_type, WARMUP_STYLES)
+        if optim.warmup_style is not None:
+            _one_of(f"{prefix}.warmup_style", optim.warmup_style, WARMUP_STYLES)
+    if not arr.hybrid_engine:
+        raise ConfigError("actor_rollout_ref.hybrid_engine=False is not supported (verl's PPO trainer requires "
+                          "True as well): the actor and rollout always share one process")
+    _one_of("actor_rollout_ref.rollout.mode", arr.rollout.mode, ("sync", "async"))
+    if arr.rollout.mode == "async":
+        raise ConfigError("actor_rollout_ref.rollout.mode=async (verl's agent-loop rollout server) is not "
+                          "implemented; set actor_rollout_ref.rollout.mode=sync (batched generation)")
     _one_of("data.truncation", cfg.data.truncation, TRUNCATIONS)
     _one_of("trainer.device", t.device, DEVICES)
     _one_of("trainer.balance_workload", t.balance_workload, WORKLOADS)
@@ -142,7 +156,33 @@ def _check_ranges(cfg: BallastConfig) -> None:
         raise ConfigError(f"actor_rollout_ref.rollout.val_kwargs.n={rollout.val_kwargs.n}: only 1 is supported")
 
 
+def _check_offload(cfg: BallastConfig) -> None:
+    """verl's offload switches: each means what verl means, or the run stops here naming the key."""
+    arr = cfg.actor_rollout_ref
+    switches = [
+        ("actor_rollout_ref.actor.fsdp_config", arr.actor.fsdp_config),
+        ("actor_rollout_ref.ref.fsdp_config", arr.ref.fsdp_config), ("critic.fsdp_config", cfg.critic.fsdp_config),
+    ]
+    for prefix, fsdp in switches:
+        on = [k for k in ("param_offload", "optimizer_offload", "offload_policy") if getattr(fsdp, k, False)]
+        if on and cfg.trainer.device == "cpu":
+            raise ConfigError(
+                f"{prefix}.{on[0]}=True offloads from GPU to host memory, but trainer.device=cpu keeps everything "
+                f"in host memory already: set {prefix}.{on[0]}=False"
+            )
+        if prefix.endswith("ref.fsdp_config"):
+            continue  # the reference model has no optimizer: param_offload = FSDP2 CPU offload, as verl means it
+        for key in ("param_offload", "optimizer_offload"):
+            if getattr(fsdp, key):
+                raise ConfigError(
+                    f"{prefix}.{key}=True (verl: move the {'parameters' if key == 'param_offload' else 'optimizer states'} "
+                    f"to host memory between phases) is not implemented; {prefix}.offload_policy=True keeps "
+                    "parameters, gradients and optimizer states in host memory (FSDP2 CPU offload)"
+                )
+
+
 def _check_rules(cfg: BallastConfig) -> None:
+    _check_offload(cfg)
     data, arr = cfg.data, cfg.actor_rollout_ref
     actor, rollout = arr.actor, arr.rollout
     seq = data.max_prompt_length + data.max_response_length
@@ -191,5 +231,7 @@ def _check_rules(cfg: BallastConfig) -> None:
         )
     if cfg.trainer.critic_warmup > 0 and not uses_critic(cfg):
         raise ConfigError(f"trainer.critic_warmup={cfg.trainer.critic_warmup} needs a critic (algorithm.adv_estimator=gae)")
+    if cfg.trainer.val_only and not data.val_files:
+        raise ConfigError("trainer.val_only=True needs data.val_files")
     if data.dataloader_num_workers == 0 and data.persistent_workers:
         raise ConfigError("data.persistent_workers=True needs data.dataloader_num_workers >= 1")
