@@ -18,19 +18,36 @@ def _stats(prefix: str, values: torch.Tensor) -> Dict[str, float]:
 
 
 def data_metrics(batch: Batch, max_response_length: int, use_critic: bool) -> Dict[str, float]:
+    """verl's `compute_data_metrics`: scores and rewards of the samples with a non-empty response,
+    token statistics under the response mask, lengths and their clip ratios (prompt clip ratio: the
+    share of prompts as wide as the batch's prompt width), and the value function's explained variance."""
     mask = batch["response_mask"].bool()
-    prompt_lengths = batch["attention_mask"].sum(-1) - batch["response_mask"].sum(-1)
-    response_lengths = batch["response_mask"].sum(-1).float()
+    response_width = batch["responses"].shape[-1]
+    prompt_width = batch["attention_mask"].shape[-1] - response_width
+    prompt_lengths = batch["attention_mask"][:, :prompt_width].sum(-1).float()
+    response_lengths = batch["attention_mask"][:, prompt_width:].sum(-1).float()
+    answered = response_lengths > 0
     metrics: Dict[str, float] = {}
-    metrics.update(_stats("critic/score", batch["token_level_scores"].sum(-1)))
-    metrics.update(_stats("critic/rewards", batch["token_level_rewards"].sum(-1)))
+    metrics.update(_stats("critic/score", batch["token_level_scores"].sum(-1)[answered]))
+    metrics.update(_stats("critic/rewards", batch["token_level_rewards"].sum(-1)[answered]))
     metrics.update(_stats("critic/advantages", batch["advantages"][mask]))
-    metrics.update(_stats("critic/returns", batch["returns"][mask]))
+    returns = batch["returns"][mask]
+    metrics.update(_stats("critic/returns", returns))
     if use_critic and "values" in batch:
-        metrics.update(_stats("critic/values", batch["values"][mask]))
+        values = batch["values"][mask]
+        metrics.update(_stats("critic/values", values))
+        if values.numel() > 1:
+            explained = 1.0 - torch.var(returns - values) / (torch.var(returns) + 1e-5)
+            metrics["critic/vf_explained_var"] = float(explained)
     metrics.update(_stats("response_length", response_lengths))
     metrics["response_length/clip_ratio"] = float((response_lengths >= max_response_length).float().mean())
-    metrics.update(_stats("prompt_length", prompt_lengths.float()))
+    if answered.any():
+        metrics.update(_stats("response_length_non_aborted", response_lengths[answered]))
+        metrics["response_length_non_aborted/clip_ratio"] = float(
+            (response_lengths[answered] >= max_response_length).float().mean())
+    metrics["response/aborted_ratio"] = float((~answered).float().mean())
+    metrics.update(_stats("prompt_length", prompt_lengths))
+    metrics["prompt_length/clip_ratio"] = float((prompt_lengths == prompt_width).float().mean())
     return metrics
 
 

@@ -69,6 +69,56 @@ def vanilla_policy_loss(*, log_prob, old_log_prob, advantages, response_mask, no
     return agg_loss(per_token, response_mask, mode, norm, cfg.loss_scale_factor), metrics
 
 
+@register_policy_loss("gspo")
+def gspo_policy_loss(*, log_prob, old_log_prob, advantages, response_mask, norm, cfg: ActorLossConfig):
+    """GSPO (Zheng et al. 2025): the clipped surrogate with the sequence-level ratio
+    s_i = exp(mean_t(logp - old_logp)) on every token, its gradient flowing through each token's logp
+    (log s_i,t = sg[log s_i] + logp - sg[logp], capped at 10). No dual clip."""
+    log_ratio = log_prob - old_log_prob
+    seq_log_ratio = (log_ratio * response_mask).sum(-1) / response_mask.sum(-1).clamp(min=1)
+    log_seq_ratio = torch.clamp(log_prob - log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1), max=10.0)
+    ratio = torch.exp(log_seq_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
+    per_token = torch.maximum(unclipped, clipped)
+    metrics = {
+        "actor/pg_clipfrac": agg_loss((clipped > unclipped).float(), response_mask, "token-mean", norm),
+        "actor/pg_clipfrac_lower": torch.zeros(()),
+        "actor/ppo_kl": agg_loss(-log_ratio, response_mask, "token-mean", norm),
+    }
+    return agg_loss(per_token, response_mask, cfg.loss_agg_mode, norm, cfg.loss_scale_factor), metrics
+
+
+@register_policy_loss("gpg")
+def gpg_policy_loss(*, log_prob, old_log_prob, advantages, response_mask, norm, cfg: ActorLossConfig):
+    """GPG (Chu et al. 2025): the plain policy gradient -A * logp, no ratio and no clipping."""
+    del old_log_prob
+    return agg_loss(-log_prob * advantages, response_mask, cfg.loss_agg_mode, norm, cfg.loss_scale_factor), {}
+
+
+@register_policy_loss("geo_mean")
+def geo_mean_policy_loss(*, log_prob, old_log_prob, advantages, response_mask, norm, cfg: ActorLossConfig):
+    """GMPO (Zhao et al. 2025): per sequence, -mean_t(A) * exp(mean_t(clipped log-ratio)), where each
+    token's log-ratio is clipped to [-eps_low, eps_high] on the side its advantage sign makes pessimistic;
+    averaged over the sequences of the mini-batch (loss_agg_mode does not apply, as in verl)."""
+    log_ratio = log_prob - old_log_prob
+    sign = torch.sign(advantages)
+    clamped = torch.clamp(log_ratio, -cfg.clip_ratio_low, cfg.clip_ratio_high)
+    pessimistic = sign * torch.minimum(sign * log_ratio, sign * clamped)
+    lengths = response_mask.sum(-1)
+    seq_ratio = torch.exp((pessimistic * response_mask).sum(-1) / (lengths + 1e-8))
+    seq_adv = (advantages * response_mask).sum(-1) / (lengths + 1e-8)
+    # Each sequence's share of the mini-batch mean over sequences.
+    loss = (-seq_adv * seq_ratio).sum() / max(norm.num_sequences, 1)
+    was_clipped = (log_ratio != clamped).float()
+    metrics = {
+        "actor/pg_clipfrac": agg_loss(was_clipped * (advantages > 0), response_mask, "token-mean", norm),
+        "actor/pg_clipfrac_lower": agg_loss(was_clipped * (advantages < 0), response_mask, "token-mean", norm),
+        "actor/ppo_kl": agg_loss(-log_ratio, response_mask, "token-mean", norm),
+    }
+    return loss, metrics
+
+
 def actor_loss(outputs: Dict[str, torch.Tensor], micro, norm, *, cfg: ActorLossConfig):
     """pg_loss - entropy_coeff * entropy + kl_loss_coef * kl(policy || ref), all globally aggregated."""
     mask = micro["response_mask"].to(outputs["log_probs"].dtype)
@@ -110,7 +160,9 @@ def critic_loss(outputs: Dict[str, torch.Tensor], micro, norm, *, cfg: CriticLos
     """Clipped value loss: 0.5 * max((v - R)^2, (clip(v, v_old - c, v_old + c) - R)^2)."""
     values, old_values, returns = outputs["values"], micro["values"], micro["returns"]
     mask = micro["response_mask"].to(values.dtype)
-    clipped = old_values + torch.clamp(values - old_values, -cfg.cliprange_value, cfg.cliprange_value)
+    # clamp(v, lo, hi) returns v itself inside the range; old + clamp(v - old) would round it and
+    # count unclipped tokens as clipped in vf_clipfrac.
+    clipped = torch.clamp(values, old_values - cfg.cliprange_value, old_values + cfg.cliprange_value)
     loss_unclipped = (values - returns).square()
     loss_clipped = (clipped - returns).square()
     per_token = 0.5 * torch.maximum(loss_unclipped, loss_clipped)

@@ -224,7 +224,7 @@ def _check_rules(cfg: BallastConfig) -> None:
         raise ConfigError(
             f"critic.enable=True but algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} does not use values"
         )
-    if cfg.algorithm.adv_estimator in ("grpo", "rloo") and rollout.n < 2:
+    if cfg.algorithm.adv_estimator in ("grpo", "rloo", "grpo_passk") and rollout.n < 2:
         raise ConfigError(
             f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares the samples of one prompt: "
             f"actor_rollout_ref.rollout.n={rollout.n} must be >= 2"

@@ -12,33 +12,18 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from ballast.engine import EngineConfig, MicroBatchSpec
+from ballast.engine import MicroBatchSpec
 from ballast.engine import OptimConfig as EngineOptim
-from ballast.engine.engine import TrainEngine
-from ballast.engine.optim import build_optimizer, build_scheduler, lr_factor
+from ballast.engine.optim import lr_factor
+from ballast.engine.testing import schedule_probe_engine
 from ballast.workers.spec import TrainLoopSpec
 from ballast.workers.train_loop import run_train_loop
 
 LR = 0.1
 
 
-def _engine(optim: EngineOptim) -> TrainEngine:
-    engine = object.__new__(TrainEngine)
-    engine.cfg = EngineConfig(model_path="unused", optim=optim, grad_clip=1.0, device="cpu")
-    engine.model = torch.nn.Linear(2, 1, bias=False)
-    engine.optimizer = build_optimizer(engine.model.parameters(), optim)
-    engine.scheduler = build_scheduler(engine.optimizer, optim)
-    engine.global_step = engine.skipped_steps = 0
-    engine.last_micro_batch_tokens = [[1]]
-    engine.seen_lrs = []
-
-    def forward_backward_batch(data, loss_fn, spec, **_):
-        engine.seen_lrs.append(engine.optimizer.param_groups[0]["lr"])
-        engine.model.weight.grad = torch.ones_like(engine.model.weight)
-        return {"loss": 0.0, "num_sequences": float(data.batch_size[0])}
-
-    engine.forward_backward_batch = forward_backward_batch
-    return engine
+def _engine(optim: EngineOptim):
+    return schedule_probe_engine(optim)
 
 
 def _spec(mini_batch: int, epochs: int) -> TrainLoopSpec:
