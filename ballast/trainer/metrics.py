@@ -51,10 +51,48 @@ def data_metrics(batch: Batch, max_response_length: int, use_critic: bool) -> Di
     return metrics
 
 
+# verl's per-token timing: generation per response token, the training phases per token overall.
+_PER_TOKEN_PHASES = {"gen": "response", "ref": "all", "values": "all", "adv": "all", "update_critic": "all",
+                     "update_actor": "all"}
+
+
+def timing_metrics(batch: Batch, timing_s: Dict[str, float]) -> Dict[str, float]:
+    """`timing_s/<phase>` and verl's `timing_per_token_ms/<phase>`."""
+    response_tokens = float(batch["response_mask"].sum())
+    tokens = {"response": response_tokens, "all": float(batch["attention_mask"].sum())}
+    metrics = {f"timing_s/{name}": value for name, value in timing_s.items()}
+    for name, kind in _PER_TOKEN_PHASES.items():
+        if name in timing_s:
+            metrics[f"timing_per_token_ms/{name}"] = timing_s[name] * 1000 / tokens[kind] if tokens[kind] else 0.0
+    return metrics
+
+
+def rollout_probs_diff_metrics(batch: Batch) -> Dict[str, float]:
+    """verl's rollout-vs-actor check on token probabilities (not log-probs): |p_rollout - p_actor| and
+    their Pearson correlation over the response tokens; empty without rollout log-probs."""
+    if "rollout_log_probs" not in batch or "old_log_probs" not in batch:
+        return {}
+    mask = batch["response_mask"].bool()
+    actor, rollout = batch["old_log_probs"].exp()[mask].double(), batch["rollout_log_probs"].exp()[mask].double()
+    if actor.numel() == 0:
+        return {}
+    diff = (actor - rollout).abs()
+    corr = torch.corrcoef(torch.stack([actor, rollout]))[0, 1] if actor.numel() > 1 else torch.tensor(float("nan"))
+    return {
+        "training/rollout_probs_diff_max": float(diff.max()), "training/rollout_probs_diff_mean": float(diff.mean()),
+        "training/rollout_probs_diff_std": float(diff.std()) if diff.numel() > 1 else float("nan"),
+        "training/rollout_actor_probs_pearson_corr": float(corr),
+    }
+
+
 def throughput_metrics(batch: Batch, step_seconds: float, num_workers: int) -> Dict[str, float]:
+    """verl's perf/total_num_tokens, perf/time_per_step and perf/throughput (tokens per second per
+    worker), and the same throughput under Ballast's older, unit-carrying names."""
     tokens = float(batch["attention_mask"].sum())
     return {
         "perf/total_num_tokens": tokens,
+        "perf/time_per_step": step_seconds,
+        "perf/throughput": tokens / max(step_seconds, 1e-9) / num_workers,
         "perf/throughput_tokens_per_s": tokens / max(step_seconds, 1e-9),
         "perf/throughput_tokens_per_s_per_worker": tokens / max(step_seconds, 1e-9) / num_workers,
     }

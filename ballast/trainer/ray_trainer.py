@@ -25,7 +25,7 @@ from ballast.trainer.charts import per_rank_tokens, save_balance_chart
 from ballast.trainer.checkpointing import CheckpointManager, rng_state, set_rng_state
 from ballast.trainer.config import BallastConfig, DerivedSizes
 from ballast.trainer.data_setup import RunData
-from ballast.trainer.metrics import data_metrics, throughput_metrics
+from ballast.trainer.metrics import data_metrics, rollout_probs_diff_metrics, throughput_metrics, timing_metrics
 from ballast.trainer.monitor import (
     DynamicBatchVisualizer, balancer_line, micro_batch_metrics, monitor_lines, rank_load_metrics, should_report,
 )
@@ -55,6 +55,7 @@ class RayPPOTrainer:
         self.actor_loss_cfg = actor_loss_config(cfg)
         self.global_step = 0
         self._nonfinite_in_a_row = 0
+        self._pending_metrics: Dict[str, float] = {}  # measured after a step's row was logged
         self._step_view: Dict[str, object] = {}  # what the monitor needs from the current step
         self.visualizer = None
         if cfg.trainer.enable_monitor:
@@ -81,14 +82,22 @@ class RayPPOTrainer:
             while self.global_step < self.total_steps:
                 step = self.global_step + 1
                 metrics = self.train_step(self.data.next_prompts(step), step)
+                metrics.update(self._pending_metrics)
+                self._pending_metrics = {}
                 self.global_step = step
                 if self.data.val is not None and t.test_freq > 0 and (step % t.test_freq == 0 or step == self.total_steps):
-                    metrics.update(self.validate())
+                    timing: Dict[str, float] = {}
+                    with _timer(timing, "testing"):
+                        metrics.update(self.validate())
+                    metrics["timing_s/testing"] = timing["testing"]
                 # Log before saving: a crash during the save then loses no metrics row (a resume
                 # drops the rows after its checkpoint and produces them again).
                 self.tracker.log(metrics, step=step)
                 if t.save_freq > 0 and (step % t.save_freq == 0 or step == self.total_steps):
+                    start = time.perf_counter()
                     self.save_checkpoint()
+                    # logged with the next step's row: this one is already written (see above)
+                    self._pending_metrics["timing_s/save_checkpoint"] = time.perf_counter() - start
                 bar.update(1)
                 bar.set_postfix({k.split("/")[-2] if k.endswith("mean") else k.split("/")[-1]: f"{metrics[k]:.3f}"
                                  for k in ("critic/score/mean", "actor/pg_loss") if k in metrics})
@@ -127,7 +136,8 @@ class RayPPOTrainer:
                     metrics.update(self.update_actor(batch))
         metrics.update(data_metrics(batch, self.cfg.data.max_response_length, self.sizes.use_critic))
         self.report_monitor(step)
-        metrics.update({f"timing_s/{k}": v for k, v in timing.items()})
+        metrics.update(timing_metrics(batch, timing))
+        metrics.update(rollout_probs_diff_metrics(batch))
         metrics.update(throughput_metrics(batch, timing["step"], self.workers.world_size))
         metrics["training/global_step"] = float(step)
         metrics["training/epoch"] = float(self.data.epoch)

@@ -41,6 +41,24 @@ def adaptive_grad_clip(grad_clip: float, num_samples: int, min_batch_size: int |
 
 
 MICRO_TOKENS_KEY = "micro_batch_tokens_per_rank"
+GIB = 1024**3
+
+
+def memory_metrics() -> Dict[str, float]:
+    """verl's perf/max_memory_{allocated,reserved}_gb (this process's CUDA peak; only on CUDA) and
+    perf/cpu_memory_used_gb (the host's used memory)."""
+    import torch
+
+    metrics: Dict[str, float] = {}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / GIB
+        metrics["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved() / GIB
+    try:
+        import psutil
+    except ImportError:  # psutil comes with vllm; without it the host figure is left out
+        return metrics
+    metrics["perf/cpu_memory_used_gb"] = psutil.virtual_memory().used / GIB
+    return metrics
 
 
 def run_train_loop(engine, data: TensorDict, spec: TrainLoopSpec, dp_rank: int, prefix: str) -> Dict[str, object]:
@@ -76,6 +94,7 @@ def run_train_loop(engine, data: TensorDict, spec: TrainLoopSpec, dp_rank: int, 
         if clip is not None:
             history[f"{prefix}/grad_clip_effective"].append(clip)
     engine.lr_scheduler_step()
+    history.update({k: [v] for k, v in memory_metrics().items()})
     result: Dict[str, object] = {key: float(np.mean(values)) for key, values in history.items()}
     if skipped_total is not None:  # a running count: its mean over mini-batches would mean nothing
         result[f"{prefix}/skipped_steps_total"] = float(skipped_total)

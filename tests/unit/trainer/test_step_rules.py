@@ -85,3 +85,27 @@ def test_logged_reward_kl_coefficient_is_the_one_applied():
     assert metrics["actor/reward_kl_penalty_coeff"] == 0.2
     torch.testing.assert_close(rewards, -0.2 * kld)
     assert ctrl.value != 0.2  # updated for the next step
+
+
+def test_timing_throughput_and_rollout_probability_metrics_use_verl_names_and_units():
+    from ballast.protocol import Batch
+    from ballast.trainer.metrics import rollout_probs_diff_metrics, throughput_metrics, timing_metrics
+
+    attention = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
+    response_mask = attention[:, 2:].clone()
+    old = torch.log(torch.tensor([[0.5, 0.25, 1.0], [0.1, 0.2, 0.3]]))
+    rollout = torch.log(torch.tensor([[0.4, 0.25, 1.0], [0.1, 0.3, 0.3]]))
+    batch = Batch({"attention_mask": attention, "response_mask": response_mask, "responses": torch.zeros(2, 3),
+                   "old_log_probs": old, "rollout_log_probs": rollout})
+    timing = timing_metrics(batch, {"gen": 0.5, "update_actor": 0.8, "reward": 0.1})
+    assert timing["timing_per_token_ms/gen"] == pytest.approx(500 / 5)  # 5 response tokens
+    assert timing["timing_per_token_ms/update_actor"] == pytest.approx(800 / 8)  # 8 tokens overall
+    assert "timing_per_token_ms/reward" not in timing and timing["timing_s/reward"] == 0.1
+    perf = throughput_metrics(batch, step_seconds=2.0, num_workers=4)
+    assert perf["perf/throughput"] == pytest.approx(8 / 2 / 4) and perf["perf/time_per_step"] == 2.0
+    probs = rollout_probs_diff_metrics(batch)
+    diffs = torch.tensor([0.1, 0.0, 0.0, 0.1, 0.0])
+    assert probs["training/rollout_probs_diff_max"] == pytest.approx(0.1)
+    assert probs["training/rollout_probs_diff_mean"] == pytest.approx(float(diffs.mean()))
+    assert probs["training/rollout_probs_diff_std"] == pytest.approx(float(diffs.std()))
+    assert -1.0 <= probs["training/rollout_actor_probs_pearson_corr"] <= 1.0

@@ -228,3 +228,19 @@ def test_clip_cov_and_kl_cov_are_not_offered():
     their loss depends on the micro-batch cut; Ballast's losses are exact shares of the mini-batch loss."""
     assert {"clip_cov", "kl_cov"} & set(POLICY_LOSSES) == set()
     assert {"vanilla", "gspo", "gpg", "geo_mean"} <= set(POLICY_LOSSES)
+
+
+def test_rollout_probability_metrics_match_verl():
+    from verl.utils.debug.metrics import calculate_debug_metrics
+
+    from ballast.trainer.metrics import rollout_probs_diff_metrics
+
+    tensors = _metric_batch(7, use_critic=False)
+    gen = torch.Generator().manual_seed(8)
+    tensors["old_log_probs"] = -torch.rand(B, R, generator=gen) * 3
+    tensors["rollout_log_probs"] = tensors["old_log_probs"] + 0.05 * torch.randn(B, R, generator=gen)
+    want = calculate_debug_metrics(DataProto.from_dict(tensors=dict(tensors)))
+    got = rollout_probs_diff_metrics(Batch(tensors))
+    for key, value in want.items():
+        if key != "training/rollout_probs_diff_valid":
+            assert got[key] == pytest.approx(value, abs=1e-6), key
