@@ -33,6 +33,7 @@ from ballast.workers.train_loop import MICRO_TOKENS_KEY
 from ballast.trainer.reward import RewardManager
 from ballast.trainer.roles import Workers
 from ballast.trainer.tracking import Tracker
+from ballast.trainer.val_metrics import validation_metrics
 
 VALIDATION_CALL_OFFSET = 1 << 30  # rollout call indices of validation passes never meet training ones
 
@@ -155,7 +156,7 @@ class RayPPOTrainer:
     def compute_reward(self, batch: Batch) -> Dict[str, float]:
         scores, extras = self.reward(batch)
         batch["token_level_scores"] = scores
-        return {f"reward_extra/{k}/mean": float(v.mean()) for k, v in extras.items()}
+        return {f"reward_extra/{k}/mean": float(v.mean()) for k, v in extras.items() if np.issubdtype(v.dtype, np.number)}
 
     def balance(self, batch: Batch, step: int) -> Dict[str, float]:
         """Reorder so that the contiguous dp split gives every rank a similar workload (in place)."""
@@ -244,17 +245,19 @@ class RayPPOTrainer:
                 self.tracker.log_images({f"dynamic_batch/{k}": v for k, v in images.items()}, step)
 
     def validate(self) -> Dict[str, float]:
-        """Greedy generation on the whole validation set; mean score per data_source."""
-        val = self.data.val
+        """Answer every validation prompt `val_kwargs.n` times; verl's val-core/val-aux metrics per data
+        source, plus the overall mean score and response length."""
+        val = self.data.val.repeat(self.cfg.actor_rollout_ref.rollout.val_kwargs.n, interleave=True)
         outputs = []
         for i, chunk in enumerate(val.split(self.data.val_batch_size or len(val))):
             chunk.meta.update(validate=True, rollout_call_index=VALIDATION_CALL_OFFSET + self.global_step * 1024 + i)
             outputs.append(self.workers.actor_rollout.generate_sequences(chunk))
         out = Batch.concat(outputs) if len(outputs) > 1 else outputs[0]
-        scores, _ = self.reward(out)
+        scores, extras = self.reward(out)
         per_sample = scores.sum(-1).numpy()
         sources = np.asarray(out["data_source"]).astype(str)
-        metrics = {f"val/score/{src}": float(per_sample[sources == src].mean()) for src in np.unique(sources)}
+        infos = {"reward": per_sample.tolist(), **{k: v.tolist() for k, v in extras.items()}}
+        metrics = validation_metrics(sources, np.asarray(out["uid"]).astype(str), infos)
         metrics["val/score/mean"] = float(per_sample.mean())
         metrics["val/response_length/mean"] = float(out["response_mask"].sum(-1).float().mean())
         return metrics

@@ -60,4 +60,6 @@ class RewardManager:
             for key, value in result.items():
                 if key != "score" and isinstance(value, (int, float)):
                     extras[key].append(float(value))
+                elif key == "pred" and isinstance(value, str):  # the answer a majority vote counts (maj@n)
+                    extras[key].append(value)
         return scores, {k: np.asarray(v) for k, v in extras.items() if len(v) == len(lengths)}

@@ -152,8 +152,12 @@ def _check_ranges(cfg: BallastConfig) -> None:
             f"actor_rollout_ref.rollout.temperature={rollout.temperature} must be > 0 when do_sample=True "
             "(use do_sample=False for greedy decoding)"
         )
-    if rollout.val_kwargs.n != 1:
-        raise ConfigError(f"actor_rollout_ref.rollout.val_kwargs.n={rollout.val_kwargs.n}: only 1 is supported")
+    _at_least("actor_rollout_ref.rollout.val_kwargs.n", rollout.val_kwargs.n, 1)
+    if rollout.val_kwargs.n > 1 and not rollout.val_kwargs.do_sample:
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.val_kwargs.n={rollout.val_kwargs.n} with val_kwargs.do_sample=False would "
+            "repeat one greedy answer: set val_kwargs.do_sample=True (and a temperature > 0)"
+        )
 
 
 def _check_offload(cfg: BallastConfig) -> None:

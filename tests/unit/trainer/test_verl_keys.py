@@ -53,6 +53,7 @@ def test_offload_policy_and_ref_param_offload_mean_fsdp2_cpu_offload():
     (["actor_rollout_ref.rollout.mode=async"], "rollout.mode=async .* not implemented"),
     (["actor_rollout_ref.actor.optim.lr_scheduler_type=linear"], "optim.lr_scheduler_type='linear'"),
     (["trainer.val_only=True"], "val_only=True needs data.val_files"),
+    (["actor_rollout_ref.rollout.val_kwargs.n=4"], "val_kwargs.n=4 with val_kwargs.do_sample=False"),
 ])
 def test_unsupported_verl_values_are_start_up_errors(overrides, fragment):
     with pytest.raises(ConfigError, match=fragment):

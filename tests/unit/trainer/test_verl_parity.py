@@ -244,3 +244,30 @@ def test_rollout_probability_metrics_match_verl():
     for key, value in want.items():
         if key != "training/rollout_probs_diff_valid":
             assert got[key] == pytest.approx(value, abs=1e-6), key
+
+
+def test_validation_metrics_at_n_match_verl():
+    from verl.trainer.ppo.metric_utils import process_validation_metrics
+
+    from ballast.trainer.val_metrics import validation_metrics
+
+    rng = np.random.default_rng(9)
+    n, prompts = 5, 4
+    sources = ["gsm8k"] * (n * 2) + ["math"] * (n * 2)
+    uids = [f"u{i // n}" for i in range(n * prompts)]
+    infos = {"reward": rng.integers(0, 2, n * prompts).astype(float).tolist(),
+             "acc": rng.random(n * prompts).tolist(),
+             "pred": [str(v) for v in rng.integers(0, 3, n * prompts)]}
+    got = validation_metrics(sources, uids, infos)
+    want = {}
+    for source, by_var in process_validation_metrics(sources, uids, infos).items():
+        core = "acc" if "acc" in by_var else "reward"
+        for var, by_name in by_var.items():
+            n_max = max(int(name.split("@")[-1].split("/")[0]) for name in by_name)
+            for name, value in by_name.items():  # verl's RayPPOTrainer._val_metrics_update naming
+                core_metric = var == core and name.startswith(("mean", "maj", "best")) and f"@{n_max}" in name
+                want[f"{'val-core' if core_metric else 'val-aux'}/{source}/{var}/{name}"] = value
+    assert set(got) == set(want)
+    assert "val-core/gsm8k/acc/maj@5/mean" in got and "val-aux/math/reward/best@4/std" in got
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, abs=1e-9), key
