@@ -15,6 +15,7 @@ from ballast.engine import OptimConfig as EngineOptim
 from ballast.trainer.algorithms.policy_loss import ActorLossConfig, CriticLossConfig, actor_loss, critic_loss
 from ballast.trainer.config import BallastConfig, DerivedSizes, MicroBatching
 from ballast.trainer.config.schema import OptimConfig
+from ballast.trainer.reward import OverlongBuffer
 from ballast.workers.rollout import RolloutConfig, SamplingConfig
 from ballast.workers.spec import ActorRolloutRefSpec, CriticSpec, TrainLoopSpec
 
@@ -129,3 +130,12 @@ def critic_spec(cfg: BallastConfig, sizes: DerivedSizes, total_steps: int) -> Cr
     )
     return CriticSpec(critic=engine, train=train, infer=micro_spec(sizes.critic.infer), seed=cfg.trainer.seed,
                       dist_timeout_s=cfg.trainer.worker_timeout_s)
+
+
+def overlong_buffer(cfg: BallastConfig) -> Optional[OverlongBuffer]:
+    """DAPO's overlong reward shaping (`reward_model.overlong_buffer`), or None when off."""
+    ob = cfg.reward_model.overlong_buffer
+    if not ob.enable:
+        return None
+    return OverlongBuffer(max_response_length=cfg.data.max_response_length, buffer_len=ob.len,
+                          penalty_factor=ob.penalty_factor, log=ob.log)

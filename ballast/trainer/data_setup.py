@@ -49,12 +49,13 @@ class RunData:
     def epoch(self) -> int:
         return self.loader.epoch
 
-    def next_prompts(self, step: int) -> Batch:
+    def next_prompts(self, step: int, uid_prefix: Optional[str] = None) -> Batch:
+        """The next training batch; uids are `<uid_prefix or step{step}>-<row>`."""
         while True:
             if self._iter is None:
                 self._iter = iter(self.loader)
             try:
-                return collated_to_batch(next(self._iter), f"step{step}")
+                return collated_to_batch(next(self._iter), uid_prefix or f"step{step}")
             except StopIteration:
                 self._iter = None
 

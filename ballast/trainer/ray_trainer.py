@@ -25,6 +25,7 @@ from ballast.trainer.charts import per_rank_tokens, save_balance_chart
 from ballast.trainer.checkpointing import CheckpointManager, rng_state, set_rng_state
 from ballast.trainer.config import BallastConfig, DerivedSizes
 from ballast.trainer.data_setup import RunData
+from ballast.trainer.dynamic_sampling import count_groups, filter_metric_values, informative_groups, sampling_metrics
 from ballast.trainer.metrics import data_metrics, rollout_probs_diff_metrics, throughput_metrics, timing_metrics
 from ballast.trainer.monitor import (
     DynamicBatchVisualizer, balancer_line, micro_batch_metrics, monitor_lines, rank_load_metrics, should_report,
@@ -36,6 +37,14 @@ from ballast.trainer.tracking import Tracker
 from ballast.trainer.val_metrics import validation_metrics
 
 VALIDATION_CALL_OFFSET = 1 << 30  # rollout call indices of validation passes never meet training ones
+
+
+# Rollout call indices (sampling seeds) of the extra generation batches of dynamic sampling.
+EXTRA_GENERATION_CALL_STRIDE = 1 << 24
+
+
+class DynamicSamplingError(RuntimeError):
+    """algorithm.filter_groups could not fill a training batch within max_num_gen_batches."""
 
 
 class NonFiniteStepsError(RuntimeError):
@@ -111,10 +120,7 @@ class RayPPOTrainer:
         timing: Dict[str, float] = {}
         metrics: Dict[str, float] = {}
         with _timer(timing, "step"):
-            with _timer(timing, "gen"):
-                batch = self.generate(prompts, step)
-            with _timer(timing, "reward"):
-                metrics.update(self.compute_reward(batch))
+            batch = self.generate_and_score(prompts, step, timing, metrics)
             with _timer(timing, "balance"):
                 metrics.update(self.balance(batch, step))
             with _timer(timing, "old_log_prob"):
@@ -153,10 +159,48 @@ class RayPPOTrainer:
         out.meta.pop("rollout_call_index", None)
         return out
 
+    def generate_and_score(self, prompts: Batch, step: int, timing: Dict[str, float],
+                           metrics: Dict[str, float]) -> Batch:
+        """Generate and score; with algorithm.filter_groups, keep only informative groups and draw
+        more prompts until train_batch_size of them are collected (DAPO's dynamic sampling)."""
+        fg = self.cfg.algorithm.filter_groups
+        kept, num_groups, num_gen, evicted = [], 0, 0, 0
+        while True:
+            with _timer(timing, "gen"):
+                batch = self.generate(prompts, step + num_gen * EXTRA_GENERATION_CALL_STRIDE)
+            with _timer(timing, "reward"):
+                extras = self._score(batch)
+            num_gen += 1
+            if not fg.enable:
+                metrics.update(_extra_means(extras))
+                return batch
+            keep = informative_groups(batch["uid"], filter_metric_values(fg.metric, batch["token_level_scores"], extras))
+            evicted += count_groups(batch["uid"]) - count_groups(batch["uid"][keep])
+            kept.append((batch[np.flatnonzero(keep)], {k: v[keep] for k, v in extras.items()}))
+            num_groups += count_groups(batch["uid"][keep])
+            if num_groups >= self.cfg.data.train_batch_size:
+                break
+            if 0 < fg.max_num_gen_batches <= num_gen:
+                raise DynamicSamplingError(
+                    f"algorithm.filter_groups: {num_gen} generation batches (max_num_gen_batches="
+                    f"{fg.max_num_gen_batches}) gave only {num_groups} of data.train_batch_size="
+                    f"{self.cfg.data.train_batch_size} prompt groups whose answers differ in {fg.metric!r}"
+                )
+            prompts = self.data.next_prompts(step, uid_prefix=f"step{step}.gen{num_gen}")
+        batch = Batch.concat([b for b, _ in kept]) if len(kept) > 1 else kept[0][0]
+        size = self.cfg.data.train_batch_size * self.cfg.actor_rollout_ref.rollout.n
+        extras = {k: np.concatenate([e[k] for _, e in kept]) for k in kept[0][1]}
+        metrics.update(_extra_means({k: v[:size] for k, v in extras.items()}))
+        metrics.update(sampling_metrics(num_gen, evicted, len(batch) - size))
+        return batch[:size]
+
     def compute_reward(self, batch: Batch) -> Dict[str, float]:
+        return _extra_means(self._score(batch))
+
+    def _score(self, batch: Batch) -> Dict[str, np.ndarray]:
         scores, extras = self.reward(batch)
         batch["token_level_scores"] = scores
-        return {f"reward_extra/{k}/mean": float(v.mean()) for k, v in extras.items() if np.issubdtype(v.dtype, np.number)}
+        return extras
 
     def balance(self, batch: Batch, step: int) -> Dict[str, float]:
         """Reorder so that the contiguous dp split gives every rank a similar workload (in place)."""
@@ -305,6 +349,10 @@ class RayPPOTrainer:
         return path
 
 
+def _extra_means(extras: Dict[str, np.ndarray]) -> Dict[str, float]:
+    return {f"reward_extra/{k}/mean": float(v.mean()) for k, v in extras.items() if np.issubdtype(v.dtype, np.number)}
+
+
 def actor_updates_at(step: int, critic_warmup: int) -> bool:
     """verl's rule: the actor trains from step `critic_warmup` on (steps count from 1), so
     critic_warmup=W trains only the critic on steps 1..W-1 and critic_warmup <= 1 changes nothing."""
@@ -329,5 +377,5 @@ def _timer(timing: Dict[str, float], name: str):
     start = time.perf_counter()
     try:
         yield
-    finally:
-        timing[name] = time.perf_counter() - start
+    finally:  # summed: dynamic sampling generates (and scores) several batches in one step
+        timing[name] = timing.get(name, 0.0) + time.perf_counter() - start

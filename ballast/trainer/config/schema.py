@@ -201,6 +201,27 @@ class KLControlConfig:
 
 
 @dataclass(frozen=True)
+class FilterGroupsConfig:
+    enable: bool
+    metric: str
+    max_num_gen_batches: int
+
+
+@dataclass(frozen=True)
+class OverlongBufferConfig:
+    enable: bool
+    len: int
+    penalty_factor: float
+    log: bool
+
+
+@dataclass(frozen=True)
+class RewardModelConfig:
+    reward_manager: str
+    overlong_buffer: OverlongBufferConfig
+
+
+@dataclass(frozen=True)
 class AlgorithmConfig:
     adv_estimator: str
     gamma: float
@@ -209,6 +230,7 @@ class AlgorithmConfig:
     use_kl_in_reward: bool
     kl_penalty: str
     kl_ctrl: KLControlConfig
+    filter_groups: FilterGroupsConfig
 
 
 @dataclass(frozen=True)
@@ -254,6 +276,7 @@ class BallastConfig:
     actor_rollout_ref: ActorRolloutRefConfig
     critic: CriticConfig
     custom_reward_function: CustomRewardConfig
+    reward_model: RewardModelConfig
     algorithm: AlgorithmConfig
     trainer: TrainerConfig
     ray_init: RayInitConfig

@@ -185,6 +185,21 @@ def _check_offload(cfg: BallastConfig) -> None:
                 )
 
 
+def _check_dapo(cfg: BallastConfig) -> None:
+    fg, rm = cfg.algorithm.filter_groups, cfg.reward_model
+    _one_of("reward_model.reward_manager", rm.reward_manager, ("naive", "dapo"))
+    if fg.enable and cfg.actor_rollout_ref.rollout.n < 2:
+        raise ConfigError("algorithm.filter_groups.enable=True compares the answers of one prompt: "
+                          f"actor_rollout_ref.rollout.n={cfg.actor_rollout_ref.rollout.n} must be >= 2")
+    if fg.enable and fg.metric == "seq_final_reward" and cfg.algorithm.use_kl_in_reward:
+        raise ConfigError("algorithm.filter_groups.metric=seq_final_reward with algorithm.use_kl_in_reward=True is "
+                          "not supported (groups are filtered before the KL penalty): use metric=reward")
+    ob = rm.overlong_buffer
+    if ob.enable and not 0 < ob.len <= cfg.data.max_response_length:
+        raise ConfigError(f"reward_model.overlong_buffer.len={ob.len} must be in (0, data.max_response_length="
+                          f"{cfg.data.max_response_length}] when reward_model.overlong_buffer.enable=True")
+
+
 def _check_rules(cfg: BallastConfig) -> None:
     _check_offload(cfg)
     data, arr = cfg.data, cfg.actor_rollout_ref
@@ -235,6 +250,7 @@ def _check_rules(cfg: BallastConfig) -> None:
         )
     if cfg.trainer.critic_warmup > 0 and not uses_critic(cfg):
         raise ConfigError(f"trainer.critic_warmup={cfg.trainer.critic_warmup} needs a critic (algorithm.adv_estimator=gae)")
+    _check_dapo(cfg)
     if cfg.trainer.val_only and not data.val_files:
         raise ConfigError("trainer.val_only=True needs data.val_files")
     if data.dataloader_num_workers == 0 and data.persistent_workers:

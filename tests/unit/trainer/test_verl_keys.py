@@ -54,6 +54,11 @@ def test_offload_policy_and_ref_param_offload_mean_fsdp2_cpu_offload():
     (["actor_rollout_ref.actor.optim.lr_scheduler_type=linear"], "optim.lr_scheduler_type='linear'"),
     (["trainer.val_only=True"], "val_only=True needs data.val_files"),
     (["actor_rollout_ref.rollout.val_kwargs.n=4"], "val_kwargs.n=4 with val_kwargs.do_sample=False"),
+    (["algorithm.filter_groups.enable=True", "actor_rollout_ref.rollout.n=1", "algorithm.adv_estimator=reinforce_plus_plus"],
+     "filter_groups.enable=True .*rollout.n=1 must be >= 2"),
+    (["reward_model.overlong_buffer.enable=True", "reward_model.overlong_buffer.len=512"],
+     "overlong_buffer.len=512 must be in \\(0, data.max_response_length=256\\]"),
+    (["reward_model.reward_manager=prime"], "reward_model.reward_manager='prime' is not one of"),
 ])
 def test_unsupported_verl_values_are_start_up_errors(overrides, fragment):
     with pytest.raises(ConfigError, match=fragment):
