@@ -44,7 +44,8 @@ def _engine(cfg: BallastConfig, role: str, model, sp: int, grad_clip: Optional[f
         ulysses_sequence_parallel_size=sp, device=cfg.trainer.device,
         enable_activation_checkpointing=model.enable_gradient_checkpointing,
         # FSDP2 CPU offload: verl's offload_policy; for the optimizer-less reference also its param_offload.
-        cpu_offload=bool(fsdp.offload_policy or (role == "ref" and fsdp.param_offload)),
+        cpu_offload=bool(fsdp.offload_policy or (role == "ref" and fsdp.param_offload)
+                         or (role == "critic" and model.fsdp_config.offload_policy)),
         reshard_after_forward=fsdp.reshard_after_forward, grad_clip=grad_clip, optim=optim,
         trust_remote_code=model.trust_remote_code,
     )

@@ -43,6 +43,20 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class CriticModelFSDPConfig:
+    """verl's older placement of the critic's FSDP switches (`critic.model.fsdp_config.*`); null: unset."""
+
+    param_offload: Optional[bool]
+    optimizer_offload: Optional[bool]
+    offload_policy: Optional[bool]
+
+
+@dataclass(frozen=True)
+class CriticModelConfig(ModelConfig):
+    fsdp_config: CriticModelFSDPConfig
+
+
+@dataclass(frozen=True)
 class OptimConfig:
     lr: float
     betas: List[float]
@@ -61,6 +75,7 @@ class FSDPConfig:
     optimizer_offload: bool
     offload_policy: bool
     reshard_after_forward: bool
+    fsdp_size: int  # -1: shard over every worker (the only layout Ballast implements)
 
 
 @dataclass(frozen=True)
@@ -169,7 +184,7 @@ class ActorRolloutRefConfig:
 class CriticConfig:
     enable: Optional[bool]
     strategy: str
-    model: ModelConfig
+    model: CriticModelConfig
     ppo_mini_batch_size: int
     ppo_micro_batch_size_per_gpu: Optional[int]
     forward_micro_batch_size_per_gpu: Optional[int]

@@ -166,6 +166,7 @@ def _check_offload(cfg: BallastConfig) -> None:
     switches = [
         ("actor_rollout_ref.actor.fsdp_config", arr.actor.fsdp_config),
         ("actor_rollout_ref.ref.fsdp_config", arr.ref.fsdp_config), ("critic.fsdp_config", cfg.critic.fsdp_config),
+        ("critic.model.fsdp_config", cfg.critic.model.fsdp_config),
     ]
     for prefix, fsdp in switches:
         on = [k for k in ("param_offload", "optimizer_offload", "offload_policy") if getattr(fsdp, k, False)]
@@ -174,6 +175,10 @@ def _check_offload(cfg: BallastConfig) -> None:
                 f"{prefix}.{on[0]}=True offloads from GPU to host memory, but trainer.device=cpu keeps everything "
                 f"in host memory already: set {prefix}.{on[0]}=False"
             )
+        size = getattr(fsdp, "fsdp_size", -1)
+        if size not in (-1, cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node):
+            raise ConfigError(f"{prefix}.fsdp_size={size}: hybrid sharding is not implemented; use -1 (shard over "
+                              "all workers)")
         if prefix.endswith("ref.fsdp_config"):
             continue  # the reference model has no optimizer: param_offload = FSDP2 CPU offload, as verl means it
         for key in ("param_offload", "optimizer_offload"):
