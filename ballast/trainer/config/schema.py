@@ -22,6 +22,7 @@ class DataConfig:
     max_prompt_length: int
     max_response_length: int
     train_batch_size: int
+    gen_batch_size: Optional[int]  # DAPO recipe: prompts per generation batch with filter_groups (null: train_batch_size)
     val_batch_size: Optional[int]
     truncation: str
     return_raw_chat: bool

@@ -49,7 +49,12 @@ def check_config(cfg: BallastConfig, model: Optional[ModelInfo] = None) -> Deriv
     _check_names(cfg, names)
     _check_ranges(cfg)
     _check_rules(cfg)
-    return derive_sizes(cfg, model)
+    sizes = derive_sizes(cfg, model)
+    gen = cfg.data.gen_batch_size
+    if gen is not None and gen * cfg.actor_rollout_ref.rollout.n % sizes.rollout_dp:
+        raise ConfigError(f"data.gen_batch_size * actor_rollout_ref.rollout.n = {gen * cfg.actor_rollout_ref.rollout.n} "
+                          f"samples must divide over the {sizes.rollout_dp} rollout workers")
+    return sizes
 
 
 def _check_names(cfg: BallastConfig, names: dict) -> None:
@@ -199,6 +204,12 @@ def _check_dapo(cfg: BallastConfig) -> None:
     if fg.enable and fg.metric == "seq_final_reward" and cfg.algorithm.use_kl_in_reward:
         raise ConfigError("algorithm.filter_groups.metric=seq_final_reward with algorithm.use_kl_in_reward=True is "
                           "not supported (groups are filtered before the KL penalty): use metric=reward")
+    gen = cfg.data.gen_batch_size
+    if gen is not None and gen != cfg.data.train_batch_size and not fg.enable:
+        raise ConfigError(f"data.gen_batch_size={gen} differs from data.train_batch_size={cfg.data.train_batch_size} "
+                          "but algorithm.filter_groups.enable=False: every generated prompt would be trained on")
+    if gen is not None and gen < 1:
+        raise ConfigError(f"data.gen_batch_size={gen} must be >= 1 (or null)")
     ob = rm.overlong_buffer
     if ob.enable and not 0 < ob.len <= cfg.data.max_response_length:
         raise ConfigError(f"reward_model.overlong_buffer.len={ob.len} must be in (0, data.max_response_length="

@@ -45,7 +45,7 @@ algorithm.use_kl_in_reward=False trainer.critic_warmup=0 trainer.logger=["consol
 trainer.project_name=verl_example_gsm8k trainer.experiment_name=deepseek_llm_7b_function_rm trainer.n_gpus_per_node=8
 trainer.nnodes=1 trainer.save_freq=20 trainer.test_freq=1 trainer.total_epochs=15"""
 
-DAPO = """data.prompt_key=prompt data.truncation=left data.max_prompt_length=2048 data.max_response_length=8192
+DAPO = """data.prompt_key=prompt data.truncation=left data.gen_batch_size=1536 data.max_prompt_length=2048 data.max_response_length=8192
 data.train_batch_size=512 actor_rollout_ref.rollout.n=16 algorithm.adv_estimator=grpo algorithm.use_kl_in_reward=False
 algorithm.kl_ctrl.kl_coef=0.0 actor_rollout_ref.actor.use_kl_loss=False actor_rollout_ref.actor.kl_loss_coef=0.0
 actor_rollout_ref.actor.clip_ratio_low=0.2 actor_rollout_ref.actor.clip_ratio_high=0.28
@@ -87,3 +87,4 @@ def test_verl_example_command_lines_validate_unchanged(name, line):
         loss = actor_loss_config(cfg)
         assert (loss.clip_ratio_low, loss.clip_ratio_high, loss.clip_ratio_c) == (0.2, 0.28, 10.0)
         assert cfg.algorithm.filter_groups.metric == "acc" and cfg.reward_model.overlong_buffer.len == 4096
+        assert cfg.data.gen_batch_size == 1536

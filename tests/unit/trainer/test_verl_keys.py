@@ -59,6 +59,9 @@ def test_offload_policy_and_ref_param_offload_mean_fsdp2_cpu_offload():
     (["reward_model.overlong_buffer.enable=True", "reward_model.overlong_buffer.len=512"],
      "overlong_buffer.len=512 must be in \\(0, data.max_response_length=256\\]"),
     (["reward_model.reward_manager=prime"], "reward_model.reward_manager='prime' is not one of"),
+    (["data.gen_batch_size=12"], "data.gen_batch_size=12 differs from data.train_batch_size=8 but algorithm.filter_groups"),
+    (["data.gen_batch_size=3", "algorithm.filter_groups.enable=True", "actor_rollout_ref.rollout.n=1",
+      "actor_rollout_ref.rollout.n=3"], "gen_batch_size \\* actor_rollout_ref.rollout.n = 9 samples must divide"),
 ])
 def test_unsupported_verl_values_are_start_up_errors(overrides, fragment):
     with pytest.raises(ConfigError, match=fragment):
