@@ -124,7 +124,8 @@ def critic_spec(cfg: BallastConfig, sizes: DerivedSizes, total_steps: int) -> Cr
     engine = _engine(cfg, "critic", c.model, sizes.critic.sp_size, c.grad_clip, engine_optim(c.optim, total_steps),
                      c.fsdp_config)
     loss = functools.partial(critic_loss, cfg=CriticLossConfig(cliprange_value=c.cliprange_value,
-                                                               loss_agg_mode=c.loss_agg_mode))
+                                                               loss_agg_mode=c.loss_agg_mode,
+                                                               loss_scale_factor=c.loss_scale_factor))
     train = TrainLoopSpec(
         mini_batch_samples_per_rank=sizes.critic.mini_batch_samples_per_rank, ppo_epochs=c.ppo_epochs,
         shuffle=c.shuffle, seed=cfg.trainer.seed, micro=micro_spec(sizes.critic.train), loss_fn=loss,

@@ -154,6 +154,7 @@ def actor_constant_metrics(cfg: ActorLossConfig) -> Dict[str, float]:
 class CriticLossConfig:
     cliprange_value: float = 0.5
     loss_agg_mode: str = "token-mean"
+    loss_scale_factor: Optional[float] = None
 
 
 def critic_loss(outputs: Dict[str, torch.Tensor], micro, norm, *, cfg: CriticLossConfig):
@@ -166,7 +167,7 @@ def critic_loss(outputs: Dict[str, torch.Tensor], micro, norm, *, cfg: CriticLos
     loss_unclipped = (values - returns).square()
     loss_clipped = (clipped - returns).square()
     per_token = 0.5 * torch.maximum(loss_unclipped, loss_clipped)
-    loss = agg_loss(per_token, mask, cfg.loss_agg_mode, norm)
+    loss = agg_loss(per_token, mask, cfg.loss_agg_mode, norm, cfg.loss_scale_factor)
     metrics = {
         "critic/vf_loss": loss.detach(),
         "critic/vf_clipfrac": agg_loss((loss_clipped > loss_unclipped).float(), mask, "token-mean", norm).detach(),

@@ -198,6 +198,7 @@ class CriticConfig:
     grad_clip: float
     cliprange_value: float
     loss_agg_mode: str
+    loss_scale_factor: Optional[float]
     optim: OptimConfig
     fsdp_config: FSDPConfig
 

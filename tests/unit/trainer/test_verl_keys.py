@@ -88,5 +88,6 @@ def test_accepted_verl_keys_reach_the_loss_and_the_update():
     assert actor_loss_config(cfg).loss_scale_factor == 512
     spec = actor_rollout_ref_spec(cfg, sizes, total_steps=10)
     assert spec.actor_train.calculate_entropy is True
-    cfg, sizes = _checked("algorithm.adv_estimator=gae")
-    assert critic_spec(cfg, sizes, total_steps=10).critic.cpu_offload is False
+    cfg, sizes = _checked("algorithm.adv_estimator=gae", "actor_rollout_ref.actor.loss_scale_factor=64")
+    critic = critic_spec(cfg, sizes, total_steps=10)
+    assert critic.critic.cpu_offload is False and critic.train.loss_fn.keywords["cfg"].loss_scale_factor == 64

@@ -130,13 +130,15 @@ def test_kl_estimators_and_straight_through_gradients_match_verl(kind):
 def test_value_loss_matches_verl(agg):
     gen, mask, _ = _inputs(5)
     vpreds, values, returns = (torch.randn(B, R, generator=gen, dtype=torch.float64) for _ in range(3))
+    scale = 3.0 if agg == "seq-mean-token-sum-norm" else None
     want, want_clipfrac = V.compute_value_loss(vpreds, returns, values, mask, cliprange_value=0.3, loss_agg_mode=agg,
-                                               batch_num_tokens=int(mask.sum()), global_batch_size=B)
+                                               batch_num_tokens=int(mask.sum()), global_batch_size=B,
+                                               loss_scale_factor=scale)
     from tensordict import TensorDict
 
     micro = TensorDict({"values": values, "returns": returns, "response_mask": mask}, batch_size=[B])
     got, metrics = critic_loss({"values": vpreds}, micro, GlobalNorm.local(mask),
-                               cfg=CriticLossConfig(cliprange_value=0.3, loss_agg_mode=agg))
+                               cfg=CriticLossConfig(cliprange_value=0.3, loss_agg_mode=agg, loss_scale_factor=scale))
     torch.testing.assert_close(got, want, **TOL)
     assert float(metrics["critic/vf_clipfrac"]) == pytest.approx(float(want_clipfrac), abs=1e-6)
 
