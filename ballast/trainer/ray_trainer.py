@@ -17,7 +17,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ballast.balance import FlopsModel, balance_batch
-from ballast.protocol import Batch
+from ballast.protocol import METRICS_KEY, Batch
 from ballast.trainer.algorithms import get_adv_estimator, kl_penalty, make_kl_controller, masked_mean
 from ballast.trainer.algorithms.policy_loss import actor_constant_metrics
 from ballast.trainer.builders import actor_loss_config
@@ -30,6 +30,7 @@ from ballast.trainer.metrics import data_metrics, rollout_probs_diff_metrics, th
 from ballast.trainer.monitor import (
     DynamicBatchVisualizer, balancer_line, micro_batch_metrics, monitor_lines, rank_load_metrics, should_report,
 )
+from ballast.workers.actor_rollout_ref import UPDATE_WEIGHTS_METRIC
 from ballast.workers.train_loop import MICRO_TOKENS_KEY
 from ballast.trainer.reward import RewardManager
 from ballast.trainer.roles import Workers
@@ -66,6 +67,7 @@ class RayPPOTrainer:
         self.global_step = 0
         self._nonfinite_in_a_row = 0
         self._pending_metrics: Dict[str, float] = {}  # measured after a step's row was logged
+        self._weight_sync_s = 0.0
         self._step_view: Dict[str, object] = {}  # what the monitor needs from the current step
         self.visualizer = None
         if cfg.trainer.enable_monitor:
@@ -157,6 +159,8 @@ class RayPPOTrainer:
         batch.meta["rollout_call_index"] = step
         out = self.workers.actor_rollout.generate_sequences(batch)
         out.meta.pop("rollout_call_index", None)
+        synced = out.meta.pop(METRICS_KEY, {}).get(UPDATE_WEIGHTS_METRIC, [])
+        self._weight_sync_s = max(synced, default=0.0)
         return out
 
     def generate_and_score(self, prompts: Batch, step: int, timing: Dict[str, float],
@@ -168,6 +172,8 @@ class RayPPOTrainer:
         while True:
             with _timer(timing, "gen"):
                 batch = self.generate(prompts, step + num_gen * EXTRA_GENERATION_CALL_STRIDE)
+            if self._weight_sync_s:  # part of timing_s/gen, also reported alone as verl does
+                timing["update_weights"] = timing.get("update_weights", 0.0) + self._weight_sync_s
             with _timer(timing, "reward"):
                 extras = self._score(batch)
             num_gen += 1

@@ -57,7 +57,8 @@ def _trainer(overrides, rewards_per_call):
 
     def generate_sequences(batch):
         calls.indices.append(batch.meta["rollout_call_index"])
-        batch.meta.pop("rollout_call_index")
+        if len(calls.indices) == 1:  # the first generate of a step syncs the weights (per worker)
+            batch.meta["metrics"] = {"timing_s/update_weights": [0.25, 0.5]}
         return batch
 
     def reward(batch):
@@ -70,6 +71,7 @@ def _trainer(overrides, rewards_per_call):
         return Batch({"x": torch.zeros(2, 1)}, {"uid": np.array([f"{uid_prefix}-0", f"{uid_prefix}-1"], dtype=object)})
 
     trainer.cfg = cfg
+    trainer._weight_sync_s = 0.0
     trainer.workers = SimpleNamespace(actor_rollout=SimpleNamespace(generate_sequences=generate_sequences))
     trainer.reward = reward
     trainer.data = SimpleNamespace(next_prompts=next_prompts)
@@ -87,6 +89,7 @@ def test_dynamic_sampling_generates_until_the_batch_is_full():
     assert metrics["train/num_gen_batches"] == 2 and metrics["training/filter_groups/evicted_samples"] == 1
     assert metrics["training/filter_groups/discarded_surplus_samples"] == 2
     assert calls.indices[0] == 5 and calls.indices[1] != 5  # fresh sampling seeds for the extra batch
+    assert timing["update_weights"] == 0.5 and timing["gen"] >= 0  # the slowest worker's weight sync, once
 
 
 def test_dynamic_sampling_gives_up_after_max_num_gen_batches():
