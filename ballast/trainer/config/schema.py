@@ -195,6 +195,7 @@ class CriticConfig:
     ulysses_sequence_parallel_size: int
     ppo_epochs: int
     shuffle: bool
+    data_loader_seed: Optional[int]
     grad_clip: float
     cliprange_value: float
     loss_agg_mode: str

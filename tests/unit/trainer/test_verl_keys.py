@@ -83,7 +83,8 @@ def test_scheduler_type_spellings_and_warmup_fallback_as_verl():
 def test_accepted_verl_keys_reach_the_loss_and_the_update():
     cfg, sizes = _checked("actor_rollout_ref.actor.loss_scale_factor=512", "actor_rollout_ref.actor.calculate_entropy=True",
                           "actor_rollout_ref.actor.use_torch_compile=False", "data.return_raw_chat=True",
-                          "actor_rollout_ref.actor.data_loader_seed=7", "data.truncation=middle",
+                          "actor_rollout_ref.actor.data_loader_seed=7", "critic.data_loader_seed=7",
+                          "data.truncation=middle",
                           "actor_rollout_ref.rollout.mode=sync")
     assert actor_loss_config(cfg).loss_scale_factor == 512
     spec = actor_rollout_ref_spec(cfg, sizes, total_steps=10)
