@@ -262,10 +262,12 @@ class TrainEngine:
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
 
-    def optimizer_step(self, grad_clip: float | None = None) -> dict[str, float]:
+    def optimizer_step(self, grad_clip: float | None = None, step_scheduler: bool = True) -> dict[str, float]:
         """Clip, step (unless the grad norm is not finite), advance the schedule, zero the grads.
 
         `grad_clip` overrides `cfg.grad_clip` for this step (adaptive clipping); it must be > 0.
+        `step_scheduler=False` leaves the schedule alone: the update loop counts the schedule in
+        training steps (one `lr_scheduler_step` per update call, as verl), not in mini-batches.
         """
         if self.optimizer is None:
             raise ValueError(f"role {self.cfg.role!r} has no optimizer")
@@ -274,7 +276,7 @@ class TrainEngine:
         lr = self.optimizer.param_groups[0]["lr"]
         params = [p for p in self.model.parameters() if p.requires_grad]
         clip = grad_clip if grad_clip is not None else self.cfg.grad_clip
-        grad_norm, stepped = clip_and_step(params, self.optimizer, self.scheduler, clip)
+        grad_norm, stepped = clip_and_step(params, self.optimizer, self.scheduler if step_scheduler else None, clip)
         if stepped:
             self.global_step += 1
         else:
@@ -286,6 +288,13 @@ class TrainEngine:
             "skipped_steps": float(self.skipped_steps),
             "global_step": float(self.global_step),
         }
+
+    def lr_scheduler_step(self) -> float:
+        """Advance the schedule by one training step; returns the learning rate of the next step."""
+        if self.scheduler is None:
+            raise ValueError(f"role {self.cfg.role!r} has no optimizer")
+        self.scheduler.step()
+        return float(self.optimizer.param_groups[0]["lr"])
 
     # ------------------------------------------------------------------ weights and checkpoints
     def iter_full_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:

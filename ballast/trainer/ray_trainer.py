@@ -11,28 +11,41 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 from tqdm import tqdm
 
 from ballast.balance import BalancePlan, FlopsModel, balance_batch, balance_metrics, plan_step, workload_costs
-from ballast.protocol import Batch
+from ballast.protocol import METRICS_KEY, Batch
 from ballast.trainer.algorithms import get_adv_estimator, kl_penalty, make_kl_controller, masked_mean
+from ballast.trainer.algorithms.policy_loss import actor_constant_metrics
+from ballast.trainer.builders import actor_loss_config
 from ballast.trainer.charts import per_rank_tokens, save_balance_chart
 from ballast.trainer.checkpointing import CheckpointManager, rng_state, set_rng_state
 from ballast.trainer.config import BallastConfig, DerivedSizes
 from ballast.trainer.data_setup import RunData
-from ballast.trainer.metrics import data_metrics, throughput_metrics
+from ballast.trainer.dynamic_sampling import count_groups, filter_metric_values, informative_groups, sampling_metrics
+from ballast.trainer.metrics import data_metrics, rollout_probs_diff_metrics, throughput_metrics, timing_metrics
 from ballast.trainer.monitor import (
     DynamicBatchVisualizer, balancer_line, micro_batch_metrics, monitor_lines, rank_load_metrics, should_report,
 )
 from ballast.trainer.step_plans import plan_update
+from ballast.workers.actor_rollout_ref import UPDATE_WEIGHTS_METRIC
 from ballast.workers.rollout.base import validation_call_index
 from ballast.workers.train_loop import LOG_PROB_PLAN_KEY, MICRO_TOKENS_KEY, MINI_BATCH_PLANS_KEY
 from ballast.trainer.reward import RewardManager
 from ballast.trainer.roles import Workers
 from ballast.trainer.tracking import Tracker
+from ballast.trainer.val_metrics import validation_metrics
+
+
+# Rollout call indices (sampling seeds) of the extra generation batches of dynamic sampling.
+EXTRA_GENERATION_CALL_STRIDE = 1 << 24
+
+
+class DynamicSamplingError(RuntimeError):
+    """algorithm.filter_groups could not fill a training batch within max_num_gen_batches."""
 
 
 class NonFiniteStepsError(RuntimeError):
@@ -50,8 +63,11 @@ class RayPPOTrainer:
         workload = cfg.trainer.balance_workload
         self.workload = FlopsModel.from_hf_config(model_config) if workload == "flops" else workload
         self.total_steps = data.total_steps
+        self.actor_loss_cfg = actor_loss_config(cfg)
         self.global_step = 0
         self._nonfinite_in_a_row = 0
+        self._pending_metrics: Dict[str, float] = {}  # measured after a step's row was logged
+        self._weight_sync_s = 0.0
         self._step_view: Dict[str, object] = {}  # what the monitor needs from the current step
         self.visualizer = None
         if cfg.trainer.enable_monitor:
@@ -67,6 +83,10 @@ class RayPPOTrainer:
         self.tracker.rewind(self.global_step)
         t = self.cfg.trainer
         last: Dict[str, float] = {}
+        if t.val_only:  # verl: validate the current (possibly resumed) policy once, no training
+            metrics = self.validate()
+            self.tracker.log(metrics, step=self.global_step)
+            return metrics
         if t.val_before_train and self.data.val is not None and self.global_step == 0:
             self.tracker.log(self.validate(), step=0)
         bar = tqdm(total=self.total_steps, initial=self.global_step, desc="training", unit="step", dynamic_ncols=True)
@@ -74,14 +94,22 @@ class RayPPOTrainer:
             while self.global_step < self.total_steps:
                 step = self.global_step + 1
                 metrics = self.train_step(self.data.next_prompts(step), step)
+                metrics.update(self._pending_metrics)
+                self._pending_metrics = {}
                 self.global_step = step
                 if self.data.val is not None and t.test_freq > 0 and (step % t.test_freq == 0 or step == self.total_steps):
-                    metrics.update(self.validate())
+                    timing: Dict[str, float] = {}
+                    with _timer(timing, "testing"):
+                        metrics.update(self.validate())
+                    metrics["timing_s/testing"] = timing["testing"]
                 # Log before saving: a crash during the save then loses no metrics row (a resume
                 # drops the rows after its checkpoint and produces them again).
                 self.tracker.log(metrics, step=step)
                 if t.save_freq > 0 and (step % t.save_freq == 0 or step == self.total_steps):
+                    start = time.perf_counter()
                     self.save_checkpoint()
+                    # logged with the next step's row: this one is already written (see above)
+                    self._pending_metrics["timing_s/save_checkpoint"] = time.perf_counter() - start
                 bar.update(1)
                 bar.set_postfix({k.split("/")[-2] if k.endswith("mean") else k.split("/")[-1]: f"{metrics[k]:.3f}"
                                  for k in ("critic/score/mean", "actor/pg_loss") if k in metrics})
@@ -94,10 +122,7 @@ class RayPPOTrainer:
         timing: Dict[str, float] = {}
         metrics: Dict[str, float] = {}
         with _timer(timing, "step"):
-            with _timer(timing, "gen"):
-                batch = self.generate(prompts, step)
-            with _timer(timing, "reward"):
-                metrics.update(self.compute_reward(batch))
+            batch = self.generate_and_score(prompts, step, timing, metrics)
             with _timer(timing, "balance"):
                 metrics.update(self.balance(batch, step))
             with _timer(timing, "old_log_prob"):
@@ -116,12 +141,13 @@ class RayPPOTrainer:
                     critic_metrics = self.workers.critic.update_critic(critic_batch)[0]
                     critic_metrics.pop(MICRO_TOKENS_KEY, None)
                     metrics.update(critic_metrics, **plan_metrics)
-            if step > self.cfg.trainer.critic_warmup:
+            if actor_updates_at(step, self.cfg.trainer.critic_warmup):
                 with _timer(timing, "update_actor"):
                     metrics.update(self.update_actor(batch))
         metrics.update(data_metrics(batch, self.cfg.data.max_response_length, self.sizes.use_critic))
         self.report_monitor(step)
-        metrics.update({f"timing_s/{k}": v for k, v in timing.items()})
+        metrics.update(timing_metrics(batch, timing))
+        metrics.update(rollout_probs_diff_metrics(batch))
         metrics.update(throughput_metrics(batch, timing["step"], self.workers.world_size))
         metrics["training/global_step"] = float(step)
         metrics["training/epoch"] = float(self.data.epoch)
@@ -134,12 +160,54 @@ class RayPPOTrainer:
         batch.meta["rollout_call_index"] = step
         out = self.workers.actor_rollout.generate_sequences(batch)
         out.meta.pop("rollout_call_index", None)
+        synced = out.meta.pop(METRICS_KEY, {}).get(UPDATE_WEIGHTS_METRIC, [])
+        self._weight_sync_s = max(synced, default=0.0)
         return out
 
+    def generate_and_score(self, prompts: Batch, step: int, timing: Dict[str, float],
+                           metrics: Dict[str, float]) -> Batch:
+        """Generate and score; with algorithm.filter_groups, keep only informative groups and draw
+        more prompts until train_batch_size of them are collected (DAPO's dynamic sampling)."""
+        fg = self.cfg.algorithm.filter_groups
+        kept, num_groups, num_gen, evicted = [], 0, 0, 0
+        while True:
+            with _timer(timing, "gen"):
+                batch = self.generate(prompts, step + num_gen * EXTRA_GENERATION_CALL_STRIDE)
+            if self._weight_sync_s:  # part of timing_s/gen, also reported alone as verl does
+                timing["update_weights"] = timing.get("update_weights", 0.0) + self._weight_sync_s
+            with _timer(timing, "reward"):
+                extras = self._score(batch)
+            num_gen += 1
+            if not fg.enable:
+                metrics.update(_extra_means(extras))
+                return batch
+            keep = informative_groups(batch["uid"], filter_metric_values(fg.metric, batch["token_level_scores"], extras))
+            evicted += count_groups(batch["uid"]) - count_groups(batch["uid"][keep])
+            kept.append((batch[np.flatnonzero(keep)], {k: v[keep] for k, v in extras.items()}))
+            num_groups += count_groups(batch["uid"][keep])
+            if num_groups >= self.cfg.data.train_batch_size:
+                break
+            if 0 < fg.max_num_gen_batches <= num_gen:
+                raise DynamicSamplingError(
+                    f"algorithm.filter_groups: {num_gen} generation batches (max_num_gen_batches="
+                    f"{fg.max_num_gen_batches}) gave only {num_groups} of data.train_batch_size="
+                    f"{self.cfg.data.train_batch_size} prompt groups whose answers differ in {fg.metric!r}"
+                )
+            prompts = self.data.next_prompts(step, uid_prefix=f"step{step}.gen{num_gen}")
+        batch = Batch.concat([b for b, _ in kept]) if len(kept) > 1 else kept[0][0]
+        size = self.cfg.data.train_batch_size * self.cfg.actor_rollout_ref.rollout.n
+        extras = {k: np.concatenate([e[k] for _, e in kept]) for k in kept[0][1]}
+        metrics.update(_extra_means({k: v[:size] for k, v in extras.items()}))
+        metrics.update(sampling_metrics(num_gen, evicted, len(batch) - size))
+        return batch[:size]
+
     def compute_reward(self, batch: Batch) -> Dict[str, float]:
+        return _extra_means(self._score(batch))
+
+    def _score(self, batch: Batch) -> Dict[str, np.ndarray]:
         scores, extras = self.reward(batch)
         batch["token_level_scores"] = scores
-        return {f"reward_extra/{k}/mean": float(v.mean()) for k, v in extras.items()}
+        return extras
 
     def balance(self, batch: Batch, step: int) -> Dict[str, float]:
         """Reorder so that the contiguous dp split gives every rank a similar workload (in place)."""
@@ -194,10 +262,7 @@ class RayPPOTrainer:
         rewards = batch["token_level_scores"]
         if alg.use_kl_in_reward:
             kld = kl_penalty(batch["old_log_probs"], batch["ref_log_prob"], alg.kl_penalty) * mask
-            rewards = rewards - self.kl_ctrl.value * kld
-            current_kl = float(masked_mean(kld, mask, dim=-1).mean())  # per-sequence mean, then batch mean
-            self.kl_ctrl.update(current_kl, n_steps=len(batch))
-            metrics.update({"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": self.kl_ctrl.value})
+            rewards, metrics = apply_kl_in_reward(rewards, kld, mask, self.kl_ctrl)
         batch["token_level_rewards"] = rewards
         adv, returns = get_adv_estimator(alg.adv_estimator)(
             token_level_rewards=rewards, response_mask=mask, index=batch["uid"],
@@ -229,6 +294,7 @@ class RayPPOTrainer:
         actor_batch, plan_metrics = self.central_plan(batch, "actor")
         metrics = self.workers.actor_rollout.update_actor(actor_batch)[0]
         metrics.update(plan_metrics)
+        metrics.update(actor_constant_metrics(self.actor_loss_cfg))
         micro_tokens = metrics.pop(MICRO_TOKENS_KEY, [])
         self._step_view["micro_tokens"] = micro_tokens
         metrics.update(micro_batch_metrics(micro_tokens))
@@ -261,17 +327,19 @@ class RayPPOTrainer:
                 self.tracker.log_images({f"dynamic_batch/{k}": v for k, v in images.items()}, step)
 
     def validate(self) -> Dict[str, float]:
-        """Greedy generation on the whole validation set; mean score per data_source."""
-        val = self.data.val
+        """Answer every validation prompt `val_kwargs.n` times; verl's val-core/val-aux metrics per data
+        source, plus the overall mean score and response length."""
+        val = self.data.val.repeat(self.cfg.actor_rollout_ref.rollout.val_kwargs.n, interleave=True)
         outputs = []
         for i, chunk in enumerate(val.split(self.data.val_batch_size or len(val))):
             chunk.meta.update(validate=True, rollout_call_index=validation_call_index(self.global_step, i))
             outputs.append(self.workers.actor_rollout.generate_sequences(chunk))
         out = Batch.concat(outputs) if len(outputs) > 1 else outputs[0]
-        scores, _ = self.reward(out)
+        scores, extras = self.reward(out)
         per_sample = scores.sum(-1).numpy()
         sources = np.asarray(out["data_source"]).astype(str)
-        metrics = {f"val/score/{src}": float(per_sample[sources == src].mean()) for src in np.unique(sources)}
+        infos = {"reward": per_sample.tolist(), **{k: v.tolist() for k, v in extras.items()}}
+        metrics = validation_metrics(sources, np.asarray(out["uid"]).astype(str), infos)
         metrics["val/score/mean"] = float(per_sample.mean())
         metrics["val/response_length/mean"] = float(out["response_mask"].sum(-1).float().mean())
         return metrics
@@ -319,10 +387,33 @@ class RayPPOTrainer:
         return path
 
 
+def _extra_means(extras: Dict[str, np.ndarray]) -> Dict[str, float]:
+    return {f"reward_extra/{k}/mean": float(v.mean()) for k, v in extras.items() if np.issubdtype(v.dtype, np.number)}
+
+
+def actor_updates_at(step: int, critic_warmup: int) -> bool:
+    """verl's rule: the actor trains from step `critic_warmup` on (steps count from 1), so
+    critic_warmup=W trains only the critic on steps 1..W-1 and critic_warmup <= 1 changes nothing."""
+    return step >= critic_warmup
+
+
+def apply_kl_in_reward(scores, kld, mask, kl_ctrl) -> Tuple[object, Dict[str, float]]:
+    """rewards = scores - beta * kl with the coefficient beta of this step, then the controller update.
+
+    The logged coefficient is the one applied to this step's rewards (as verl logs it), not the
+    updated one that the next step will use.
+    """
+    beta = kl_ctrl.value
+    rewards = scores - beta * kld
+    current_kl = float(masked_mean(kld, mask, dim=-1).mean())  # per-sequence mean, then batch mean
+    kl_ctrl.update(current_kl, n_steps=int(scores.shape[0]))
+    return rewards, {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
+
+
 @contextlib.contextmanager
 def _timer(timing: Dict[str, float], name: str):
     start = time.perf_counter()
     try:
         yield
-    finally:
-        timing[name] = time.perf_counter() - start
+    finally:  # summed: dynamic sampling generates (and scores) several batches in one step
+        timing[name] = timing.get(name, 0.0) + time.perf_counter() - start

@@ -2,8 +2,9 @@
 
 Pure bookkeeping around the engine: which rows form each mini-batch (optionally shuffled with
 seed + dp rank, so DP ranks shuffle differently but reproducibly), one optimizer step per
-mini-batch, and metrics averaged over mini-batches (each engine metric is already a mini-batch-global
-value, identical on every DP rank).
+mini-batch, one learning-rate schedule step per call (the schedule's warmup and length are counted
+in training steps, as verl's), and metrics averaged over mini-batches (each engine metric is already
+a mini-batch-global value, identical on every DP rank); running counters report their last value.
 
 With a central plan from the driver (`plans`, shipped in `meta[MINI_BATCH_PLANS_KEY]`), the driver
 has already cut, shuffled and laid out the mini-batches of every epoch: mini-batch m is rows
@@ -47,6 +48,24 @@ MICRO_TOKENS_KEY = "micro_batch_tokens_per_rank"
 MINI_BATCH_PLANS_KEY = "mini_batch_plans"
 # The driver's central plan of the old-log-prob pass (the whole step as one mini-batch), in meta.
 LOG_PROB_PLAN_KEY = "log_prob_micro_batch_plan"
+GIB = 1024**3
+
+
+def memory_metrics() -> Dict[str, float]:
+    """verl's perf/max_memory_{allocated,reserved}_gb (this process's CUDA peak; only on CUDA) and
+    perf/cpu_memory_used_gb (the host's used memory)."""
+    import torch
+
+    metrics: Dict[str, float] = {}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / GIB
+        metrics["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved() / GIB
+    try:
+        import psutil
+    except ImportError:  # psutil comes with vllm; without it the host figure is left out
+        return metrics
+    metrics["perf/cpu_memory_used_gb"] = psutil.virtual_memory().used / GIB
+    return metrics
 
 
 def _planned_mini_batches(num_samples: int, mini_batch_samples: int, plans: list) -> Iterator[np.ndarray]:
@@ -73,6 +92,7 @@ def run_train_loop(engine, data: TensorDict, spec: TrainLoopSpec, dp_rank: int, 
                                      spec.shuffle, spec.seed + dp_rank)
     else:
         indices = _planned_mini_batches(data.batch_size[0], spec.mini_batch_samples_per_rank, plans)
+    skipped_total = None
     for m, rows in enumerate(indices):
         engine.zero_grad()
         out = engine.forward_backward_batch(data[rows], spec.loss_fn, spec.micro, temperature=spec.temperature,
@@ -81,7 +101,7 @@ def run_train_loop(engine, data: TensorDict, spec: TrainLoopSpec, dp_rank: int, 
         clip = None
         if spec.grad_clip_min_batch_size is not None and engine.cfg.grad_clip is not None:
             clip = adaptive_grad_clip(engine.cfg.grad_clip, int(out["num_sequences"]), spec.grad_clip_min_batch_size)
-        step = engine.optimizer_step(grad_clip=clip)
+        step = engine.optimizer_step(grad_clip=clip, step_scheduler=False)
         for rank, tokens in enumerate(engine.last_micro_batch_tokens):
             if rank == len(micro_tokens):
                 micro_tokens.append([])
@@ -92,9 +112,13 @@ def run_train_loop(engine, data: TensorDict, spec: TrainLoopSpec, dp_rank: int, 
         history[f"{prefix}/grad_norm"].append(step["grad_norm"])
         history[f"{prefix}/lr"].append(step["lr"])
         history[f"{prefix}/step_skipped"].append(step["step_skipped"])
-        history[f"{prefix}/skipped_steps_total"].append(step["skipped_steps"])
+        skipped_total = step["skipped_steps"]
         if clip is not None:
             history[f"{prefix}/grad_clip_effective"].append(clip)
+    engine.lr_scheduler_step()
+    history.update({k: [v] for k, v in memory_metrics().items()})
     result: Dict[str, object] = {key: float(np.mean(values)) for key, values in history.items()}
+    if skipped_total is not None:  # a running count: its mean over mini-batches would mean nothing
+        result[f"{prefix}/skipped_steps_total"] = float(skipped_total)
     result[MICRO_TOKENS_KEY] = micro_tokens
     return result
