@@ -117,7 +117,7 @@ def _served(worker) -> int:
 
 
 def _update_actor(worker, monkeypatch):
-    def fake_train_loop(actor, data, spec, dp_rank, prefix):
+    def fake_train_loop(actor, data, spec, dp_rank, prefix, **kwargs):
         actor.version += 1
         return {}
 

@@ -44,8 +44,11 @@ class _RecordingEngine:
         self.calls.append((data["x"].tolist(), plan))
         return {"loss": 1.0, "num_sequences": float(len(data["x"]))}
 
-    def optimizer_step(self, grad_clip=None):
+    def optimizer_step(self, grad_clip=None, step_scheduler=True):
         return {"grad_norm": 1.0, "lr": 0.1, "step_skipped": 0.0, "skipped_steps": 0.0}
+
+    def lr_scheduler_step(self):
+        pass
 
 
 def test_a_central_plan_fixes_the_mini_batches_and_reaches_the_engine():
