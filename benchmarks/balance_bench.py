@@ -43,7 +43,7 @@ sample's cost = ``FlopsModel(L)``, a micro-batch's cost = the sum over its sampl
   times each (fewer once one has used 2 s) and the fastest run is kept.
 
 Usage: ``python benchmarks/balance_bench.py [--json PATH] [--quick] [--stress] [--repeat R]``.
-Prints markdown tables and whether the targets of issue 3 are met; exits 0 either way.
+Prints markdown tables and whether the balance targets (see ``check_targets``) are met; exits 0 either way.
 """
 
 from __future__ import annotations
@@ -253,7 +253,7 @@ def print_paths_table(cases: list[dict]) -> None:
 
 
 def check_targets(cases: list[dict]) -> list[str]:
-    """Issue 3's targets: under budget, lockstep/LB <= 1.02 and <= verl's, dp_imbalance <= verl's,
+    """The balance targets: under budget, lockstep/LB <= 1.02 and <= verl's, dp_imbalance <= verl's,
     at most one micro-batch more than verl, and no slower than verl at N=8192, dp=64."""
     failures = []
     for c in cases:

@@ -4,6 +4,22 @@
     -> old log-probs -> ref log-probs -> values -> advantages -> update critic -> update actor
 
 Workers do the heavy lifting; everything here is light driver-side math on the Batch.
+
+What this driver leaves out of verl's `RayPPOTrainer.fit`, and why:
+
+1. One layout. Actor, rollout and reference live in one colocated worker group on one resource
+   pool (the critic shares its devices); no per-role pools, no standalone rollout servers. Weight
+   sync then stays inside each worker process, and placement needs no configuration.
+2. Synchronous rollout. A step is one `generate_sequences` call with a fixed number of samples: no
+   async agent loop, multi-turn tools or partial rollouts. Every per-rank size is known at start-up
+   (`DerivedSizes`), so a bad combination fails before any worker starts.
+3. Rule rewards on the driver. No reward-model worker, no ReMax baseline generation, no group
+   filtering that changes the batch size mid-step: each is a branch of verl's loop that Ballast's
+   batch-path guarantees would have to be re-proven for.
+4. Old log-probs are always recomputed by the actor. The rollout's own log-probs, when requested,
+   only feed a metric that checks weight sync (`training/rollout_actor_log_prob_diff`).
+5. No profiler hooks, rollout dumps or preemption handling in the loop: checkpoints at `save_freq`
+   and at the last step, and `resume_mode=auto`, cover restarts.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The import rules of DESIGN.md, checked on the source: lower layers never import upper ones or Ray."""
+"""The import rules of docs/architecture.md, checked on the source: lower layers never import upper ones or Ray."""
 
 import ast
 from pathlib import Path
