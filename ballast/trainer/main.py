@@ -157,24 +157,29 @@ def start_ray(cfg: BallastConfig) -> bool:
     Ray's gRPC ports listen on every interface, and without the token anyone who can reach them can
     run code. Tests and the quickstart opt out with RAY_AUTH_MODE=disabled.
     """
+    import logging
     import tempfile
 
     import ray
 
+    from ballast.trainer.tracking import verbose_output
+
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Worker output goes to the run directory's log files unless BALLAST_VERBOSE asks for it here.
+    quiet = dict(log_to_driver=verbose_output(), logging_level=logging.INFO if verbose_output() else logging.WARNING)
     r = cfg.ray_init
     if r.address:
         probe_ray_address(r.address, r.timeout_s)
     if ray.is_initialized():
         return False
     if r.address:
-        ray.init(address=r.address, log_to_driver=True)
+        ray.init(address=r.address, **quiet)
         return True
     world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     num_cpus = r.num_cpus or max(os.cpu_count() or 1, world)
     # address="local": always a fresh instance, even when RAY_ADDRESS is set by a parent process.
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, dashboard_host=r.dashboard_host,
-             _temp_dir=tempfile.mkdtemp(prefix="ray_", dir="/tmp"))
+             _temp_dir=tempfile.mkdtemp(prefix="ray_", dir="/tmp"), **quiet)
     return True
 
 

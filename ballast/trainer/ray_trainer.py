@@ -47,7 +47,7 @@ from ballast.workers.train_loop import MICRO_TOKENS_KEY
 from ballast.workers.rollout.base import validation_call_index
 from ballast.trainer.reward import RewardManager
 from ballast.trainer.roles import Workers
-from ballast.trainer.tracking import Tracker
+from ballast.trainer.tracking import Tracker, format_validation, progress_postfix
 
 
 class NonFiniteStepsError(RuntimeError):
@@ -83,7 +83,9 @@ class RayPPOTrainer:
         t = self.cfg.trainer
         last: Dict[str, float] = {}
         if t.val_before_train and self.data.val is not None and self.global_step == 0:
-            self.tracker.log(self.validate(), step=0)
+            val = self.validate()
+            self.tracker.console(format_validation(val, 0))
+            self.tracker.log(val, step=0)
         bar = tqdm(total=self.total_steps, initial=self.global_step, desc="training", unit="step", dynamic_ncols=True)
         try:
             while self.global_step < self.total_steps:
@@ -92,14 +94,14 @@ class RayPPOTrainer:
                 self.global_step = step
                 if self.data.val is not None and t.test_freq > 0 and (step % t.test_freq == 0 or step == self.total_steps):
                     metrics.update(self.validate())
+                    self.tracker.console(format_validation(metrics, step))
                 # Log before saving: a crash during the save then loses no metrics row (a resume
                 # drops the rows after its checkpoint and produces them again).
                 self.tracker.log(metrics, step=step)
                 if t.save_freq > 0 and (step % t.save_freq == 0 or step == self.total_steps):
                     self.save_checkpoint()
+                bar.set_postfix(progress_postfix(metrics), refresh=False)
                 bar.update(1)
-                bar.set_postfix({k.split("/")[-2] if k.endswith("mean") else k.split("/")[-1]: f"{metrics[k]:.3f}"
-                                 for k in ("critic/score/mean", "actor/pg_loss") if k in metrics})
                 last = metrics
         finally:
             bar.close()
