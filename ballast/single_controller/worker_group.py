@@ -228,6 +228,10 @@ class RayWorkerGroup:
                 continue
         return None
 
+    def placement(self) -> List[Dict[str, Any]]:
+        """Where each worker runs, in rank order: `ip`, `pid`, `node_id` (and a free `port` on its node)."""
+        return self.execute_all("_ballast_node_info")
+
     def execute_all(self, method: str, *args, **kwargs) -> List[Any]:
         """Call an unregistered worker method on every worker with the same arguments."""
         refs = [w._ballast_call.remote(method, True, *args, **kwargs) for w in self.workers]

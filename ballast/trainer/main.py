@@ -137,7 +137,7 @@ def run(cfg: BallastConfig, sizes, raw_config: Optional[dict] = None) -> dict:
 
 def record_workers(workers, run_dir: str) -> list:
     """Write where each worker runs (rank, pid, node id, IP) to `<run_dir>/workers.json` and say so."""
-    infos = workers.actor_rollout.execute_all("_ballast_node_info")
+    infos = workers.actor_rollout.placement()
     placed = [{"rank": rank, "pid": info["pid"], "node_id": info["node_id"], "node_ip": info["ip"]}
               for rank, info in enumerate(infos)]
     os.makedirs(run_dir, exist_ok=True)

@@ -49,6 +49,8 @@ def test_group_layout_env_and_one_to_all(echo):
     assert len({i["master"] for i in infos}) == 1 and infos[0]["master"][1] == str(echo.master_port)
     assert len({i["pid"] for i in infos}) == 4
     assert all(i["threads"] == 1 for i in infos)  # pinned so 2 cores are not oversubscribed
+    placed = echo.placement()
+    assert [p["pid"] for p in placed] == [i["pid"] for i in infos] and all(p["node_id"] and p["ip"] for p in placed)
     assert echo.only_rank_zero("x") == (0, "x")
     assert echo.scale([1, 1, 2, 2]) == [1, 2, 6, 8]
     with pytest.raises(ValueError, match="lists of 4"):
