@@ -20,7 +20,8 @@ import transformers
 from ballast.engine import EngineConfig, GlobalNorm, MicroBatchSpec, TrainEngine, agg_loss
 from ballast.engine.forward import ForwardOptions, forward_micro_batch
 from ballast.engine.model import load_model
-from ballast.engine.testing import build_tiny_causal_lm, make_rl_batch, reference_log_probs, spawn_ranks
+from testkit.engine import make_rl_batch, reference_log_probs, spawn_ranks
+from testkit.models import build_tiny_causal_lm
 
 # Progress bars start tqdm's monitor thread; without it the ranks can be forked (fast).
 transformers.utils.logging.disable_progress_bar()
