@@ -71,10 +71,14 @@ else
   "${PIP[@]}" install --quiet -e ".[test]" || die "pip install -e .[test] failed"
 fi
 
+# verl 0.9.1 is the reference the parity tests and benchmarks compare against; --no-deps because its
+# declared dependencies would replace torch/transformers (the few modules the tests import are pure Python).
+say "installing verl 0.9.1 (--no-deps: reference implementation for the parity tests and benchmarks)"
+"${PIP[@]}" install --quiet --no-deps "verl==0.9.1" || die "verl 0.9.1 install failed"
+
 if [[ $BENCH -eq 1 ]]; then
-  say "installing benchmark extras and verl 0.9.1 (--no-deps: reference implementation for benchmarks only)"
+  say "installing benchmark extras"
   "${PIP[@]}" install --quiet -e ".[bench]" || die "bench extra failed"
-  "${PIP[@]}" install --quiet --no-deps "verl==0.9.1" || die "verl 0.9.1 install failed"
   touch "$VENV/.ballast-bench"
 fi
 

@@ -8,7 +8,9 @@
   :func:`plan_dynamic_micro_batches`, :func:`plan_joint_micro_batches`, :func:`inverse_permutation`;
 * length bucketing: :func:`bucket_ids`, :func:`min_bucketed_micro_batches`,
   :func:`plan_bucketed_micro_batches` (micro-batches that never mix prompt-length buckets);
-* the lockstep cost model of FSDP micro-steps: :func:`lockstep_cost`, :func:`refine_lockstep`.
+* the lockstep cost model of FSDP micro-steps: :func:`lockstep_cost`, :func:`refine_lockstep`;
+* the whole-step plan the trainer runs: :func:`plan_step` -> :class:`StepPlan` (DP partition and
+  micro-batches chosen together), :func:`lockstep_lower_bounds`.
 """
 
 from .bucketing import bucket_ids, min_bucketed_micro_batches, plan_bucketed_micro_batches
@@ -22,12 +24,14 @@ from .micro_batch import (
 )
 from .partition import greedy_partition, karmarkar_karp, partition_sums, validate_partition
 from .refine import refine_partition
+from .step_plan import StepPlan, lockstep_lower_bounds, plan_step
 from .workload import VERL_LINEAR_COEFF, FlopsModel, Workload, workload_costs
 
 __all__ = [
     "BalancePlan",
     "FlopsModel",
     "VERL_LINEAR_COEFF",
+    "StepPlan",
     "Workload",
     "balance_batch",
     "bucket_ids",
@@ -38,11 +42,13 @@ __all__ = [
     "inverse_permutation",
     "karmarkar_karp",
     "lockstep_cost",
+    "lockstep_lower_bounds",
     "min_micro_batches",
     "partition_sums",
     "plan_dynamic_micro_batches",
     "plan_joint_micro_batches",
     "plan_static_micro_batches",
+    "plan_step",
     "refine_lockstep",
     "refine_partition",
     "validate_partition",

@@ -26,7 +26,7 @@ from ballast.data.io import read_rows
 
 logger = logging.getLogger(__name__)
 
-TRUNCATION_MODES = ("error", "left", "right", "filter")
+TRUNCATION_MODES = ("error", "left", "right", "middle", "filter")
 NON_TENSOR_KEYS = ("data_source", "reward_model", "ground_truth", "extra_info", "index", "ability", "raw_prompt")
 
 
@@ -49,7 +49,9 @@ class RLDataset(torch.utils.data.Dataset):
         tokenizer: a Hugging Face tokenizer with a chat template (see `ballast.models.load_tokenizer`).
         max_prompt_length: longest prompt in tokens, after the chat template.
         truncation: what to do with a longer prompt: "error" (ValueError naming it), "left" (keep
-            the last tokens), "right" (keep the first tokens) or "filter" (drop it; counted and logged).
+            the last tokens), "right" (keep the first tokens), "middle" (keep the first half and the last
+            half, as verl: floor(max/2) from the start, the rest from the end) or "filter" (drop it;
+            counted and logged).
         prompt_key: the column holding the chat messages.
         chat_template_kwargs: extra keyword arguments for ``apply_chat_template``.
     """
@@ -120,7 +122,10 @@ class RLDataset(torch.utils.data.Dataset):
                     filtered += 1
                     continue
                 keep = self.max_prompt_length
-                ids = ids[-keep:] if self.truncation == "left" else ids[:keep]
+                if self.truncation == "middle":
+                    ids = ids[:keep // 2] + ids[len(ids) - (keep - keep // 2):]
+                else:
+                    ids = ids[-keep:] if self.truncation == "left" else ids[:keep]
                 truncated += 1
             item["input_ids"] = torch.tensor(ids, dtype=torch.long)
             self._samples.append(item)

@@ -2,8 +2,9 @@
 
 One call of `forward_backward_batch` processes one mini-batch (this rank's share):
 
-1. preflight, collective over the DP group: check the layout, agree the micro-batch count (MAX), and
-   sum the loss tokens and sequences into a `GlobalNorm` (SUM);
+1. preflight, collective over the DP group: check the layout (and an explicit central plan, if the
+   caller passes one), agree the micro-batch count (MAX; not needed with a central plan), and sum the
+   loss tokens and sequences into a `GlobalNorm` (SUM);
 2. for every micro-batch: forward (padded, packed, or packed + Ulysses), `loss_fn(outputs, micro,
    norm)`, backward. The loss returned by `loss_fn` is the micro-batch's exact share of the mini-batch
    loss, so summing over micro-batches and DP ranks gives the mini-batch loss;
@@ -35,6 +36,7 @@ from ballast.engine.micro_batch import (
     MicroBatchPlan,
     agree_max,
     dummy_micro_batch,
+    explicit_plan,
     plan_micro_batches,
     restore_order,
     split_micro_batches,
@@ -104,15 +106,21 @@ class TrainEngine:
         self.last_micro_batch_tokens: list[list[int]] = []
 
     # ------------------------------------------------------------------ mini-batch execution
-    def _preflight(self, data: TensorDict, spec: MicroBatchSpec) -> tuple[GlobalNorm, MicroBatchPlan, list[int]]:
-        """The DP-global loss normaliser, this rank's micro-batch plan and each micro-batch's real tokens."""
+    def _preflight(self, data: TensorDict, spec: MicroBatchSpec,
+                   plan=None) -> tuple[GlobalNorm, MicroBatchPlan, list[int]]:
+        """The DP-global loss normaliser, this rank's micro-batch plan (the central `plan` when given)
+        and each micro-batch's real tokens."""
         error = _check_batch(data)
         group, device = self.parallel.dp_group, self.parallel.device
+        given = None
+        if error is None and plan is not None:
+            given, error = explicit_plan(plan, spec, self.parallel.sp_size, self.parallel.dp_size,
+                                         self.parallel.dp_rank, sequence_lengths(data["attention_mask"]).cpu().numpy())
         local_response_len = 0 if error else int(data["responses"].shape[-1])
-        # One MAX all-reduce: a malformed batch on any DP rank makes every rank raise here.
+        # One MAX all-reduce: a malformed batch or plan on any DP rank makes every rank raise here.
         any_error, response_len = agree_max([int(error is not None), local_response_len], group, device)
         if any_error:
-            raise ValueError(error or "another DP rank received a malformed mini-batch")
+            raise ValueError(error or "another DP rank received a malformed mini-batch or micro-batch plan")
         self._check_sp_peers_agree(data)
         counts = torch.tensor(
             [float(data["response_mask"].sum()), float(data.batch_size[0])], dtype=torch.float64, device=device
@@ -123,7 +131,11 @@ class TrainEngine:
         lengths = sequence_lengths(data["attention_mask"]).cpu().numpy()
         prompt_width = data["input_ids"].shape[1] - data["responses"].shape[1]
         prompt_lengths = data["attention_mask"][:, :prompt_width].sum(-1).cpu().numpy()
-        plan = plan_micro_batches(lengths, spec, self.parallel.sp_size, group, device, prompt_lengths, self.workload)
+        if given is not None:
+            plan = given
+        else:
+            plan = plan_micro_batches(lengths, spec, self.parallel.sp_size, group, device, prompt_lengths,
+                                      self.workload)
         return norm, plan, [int(lengths[idx].sum()) for idx in plan.micro_indices]
 
     def _check_sp_peers_agree(self, data: TensorDict) -> None:
@@ -163,8 +175,12 @@ class TrainEngine:
         forward_only: bool = False,
         temperature: float = 1.0,
         calculate_entropy: bool = False,
+        plan=None,
     ) -> dict[str, float]:
         """Forward (and backward) this rank's mini-batch; gradients accumulate into `.grad`.
+
+        `plan`: an optional central plan, `plan[r][j]` = row indices of DP rank r's j-th micro-batch
+        (the same object on every rank); without it the rank plans its own micro-batches.
 
         `loss_fn(outputs, micro, norm) -> (loss, metrics)`: outputs are `log_probs` (+`entropy`) or
         `values`, (B_micro, R); loss and every metric must be the micro-batch's SHARE of the mini-batch
@@ -173,7 +189,7 @@ class TrainEngine:
         """
         if not forward_only and not self.cfg.trainable:
             raise ValueError(f"role {self.cfg.role!r} has no optimizer; call with forward_only=True")
-        norm, plan, micro_tokens = self._preflight(data, spec)
+        norm, plan, micro_tokens = self._preflight(data, spec, plan)
         opts = self._forward_options(temperature, calculate_entropy)
         device = self.parallel.device
         seq_len, response_len = data["input_ids"].shape[1], data["responses"].shape[1]
@@ -219,10 +235,12 @@ class TrainEngine:
 
     @torch.no_grad()
     def infer_batch(
-        self, data: TensorDict, spec: MicroBatchSpec, temperature: float = 1.0, calculate_entropy: bool = False
+        self, data: TensorDict, spec: MicroBatchSpec, temperature: float = 1.0, calculate_entropy: bool = False,
+        plan=None,
     ) -> TensorDict:
-        """`log_probs` (+`entropy`) for actor/ref, `values` for a critic: (B, R), input row order."""
-        _, plan, _ = self._preflight(data, spec)
+        """`log_probs` (+`entropy`) for actor/ref, `values` for a critic: (B, R), input row order.
+        `plan`: an optional central micro-batch plan, as in `forward_backward_batch`."""
+        _, plan, _ = self._preflight(data, spec, plan)
         opts = self._forward_options(temperature, calculate_entropy)
         self.model.eval()
         per_key: dict[str, list[torch.Tensor]] = {}
@@ -245,10 +263,12 @@ class TrainEngine:
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
 
-    def optimizer_step(self, grad_clip: float | None = None) -> dict[str, float]:
+    def optimizer_step(self, grad_clip: float | None = None, step_scheduler: bool = True) -> dict[str, float]:
         """Clip, step (unless the grad norm is not finite), advance the schedule, zero the grads.
 
         `grad_clip` overrides `cfg.grad_clip` for this step (adaptive clipping); it must be > 0.
+        `step_scheduler=False` leaves the schedule alone: the update loop counts the schedule in
+        training steps (one `lr_scheduler_step` per update call, as verl), not in mini-batches.
         """
         if self.optimizer is None:
             raise ValueError(f"role {self.cfg.role!r} has no optimizer")
@@ -257,7 +277,7 @@ class TrainEngine:
         lr = self.optimizer.param_groups[0]["lr"]
         params = [p for p in self.model.parameters() if p.requires_grad]
         clip = grad_clip if grad_clip is not None else self.cfg.grad_clip
-        grad_norm, stepped = clip_and_step(params, self.optimizer, self.scheduler, clip)
+        grad_norm, stepped = clip_and_step(params, self.optimizer, self.scheduler if step_scheduler else None, clip)
         if stepped:
             self.global_step += 1
         else:
@@ -269,6 +289,13 @@ class TrainEngine:
             "skipped_steps": float(self.skipped_steps),
             "global_step": float(self.global_step),
         }
+
+    def lr_scheduler_step(self) -> float:
+        """Advance the schedule by one training step; returns the learning rate of the next step."""
+        if self.scheduler is None:
+            raise ValueError(f"role {self.cfg.role!r} has no optimizer")
+        self.scheduler.step()
+        return float(self.optimizer.param_groups[0]["lr"])
 
     # ------------------------------------------------------------------ weights and checkpoints
     def iter_full_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:

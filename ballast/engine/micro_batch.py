@@ -10,6 +10,10 @@ fewer samples than the agreed count runs its samples one per micro-batch plus ze
 micro-batches, which issue the same collectives and add exactly zero gradient. Planning errors (a
 sample over the token budget, an indivisible static split) are agreed the same way, so all ranks
 raise together instead of some waiting forever in the next collective.
+
+A caller that planned the whole mini-batch centrally (the trainer's driver does, see
+`ballast.balance.plan_step`) passes that plan instead: `explicit_plan` checks it and takes this
+rank's micro-batches from it. Its counts are equal by construction, so no count all-reduce is needed.
 """
 
 from __future__ import annotations
@@ -116,6 +120,51 @@ def plan_micro_batches(
     else:
         micro = plan_static_micro_batches(num_rows, spec.micro_batch_size_per_gpu)
     return MicroBatchPlan(micro_indices=micro, num_dummy=agreed_count - len(micro))
+
+
+def _plan_error(plan, dp_size: int, dp_rank: int, lengths: np.ndarray, budget: int | None) -> str | None:
+    """What is wrong with a central plan (identical on every rank for the structural checks)."""
+    if not isinstance(plan, (list, tuple)) or len(plan) != dp_size:
+        size = len(plan) if isinstance(plan, (list, tuple)) else type(plan).__name__
+        return f"micro-batch plan has {size} ranks, the DP group has {dp_size}"
+    counts = [len(rank) for rank in plan]
+    if len(set(counts)) != 1:
+        return f"micro-batch plan has unequal micro-batch counts per rank {counts}; lockstep needs equal counts"
+    for r, rank in enumerate(plan):
+        arrays = [np.asarray(mb).reshape(-1) for mb in rank]
+        if any(a.size == 0 for a in arrays):
+            return f"micro-batch plan: rank {r} has an empty micro-batch"
+        if any(not np.issubdtype(a.dtype, np.integer) for a in arrays):
+            return f"micro-batch plan: rank {r} has non-integer row indices"
+        flat = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
+        num_rows = len(lengths) if r == dp_rank else flat.size
+        if r == dp_rank and flat.size != num_rows:
+            return f"micro-batch plan: rank {r} covers {flat.size} rows but holds {num_rows}"
+        seen = np.bincount(flat, minlength=num_rows) if flat.size and flat.min() >= 0 else None
+        if seen is None or len(seen) != num_rows or (seen != 1).any():
+            return f"micro-batch plan: rank {r}'s row indices are not each of 0..{num_rows - 1} exactly once"
+    if budget is not None:
+        for j, mb in enumerate(plan[dp_rank]):
+            tokens = int(lengths[np.asarray(mb, dtype=np.int64)].sum())
+            if tokens > budget:
+                return (f"micro-batch plan: rank {dp_rank}'s micro-batch {j} holds {tokens} tokens, "
+                        f"over the budget {budget}")
+    return None
+
+
+def explicit_plan(plan, spec: MicroBatchSpec, sp_size: int, dp_size: int, dp_rank: int,
+                  lengths: np.ndarray) -> tuple[MicroBatchPlan | None, str | None]:
+    """(this rank's part of a central plan `plan[r][j]` = rank r's row indices of its j-th
+    micro-batch, None) or (None, what is wrong with it). Never raises and never communicates, so the
+    caller can agree the error with its other preflight checks before any collective."""
+    if spec.bucket_boundaries is not None:
+        return None, "an explicit micro-batch plan cannot be combined with length bucketing (bucket_boundaries)"
+    budget = spec.token_budget(sp_size) if spec.use_dynamic_bsz else None
+    error = _plan_error(plan, dp_size, dp_rank, np.asarray(lengths, dtype=np.int64), budget)
+    if error is not None:
+        return None, error
+    micro = [np.asarray(mb, dtype=np.int64).reshape(-1) for mb in plan[dp_rank]]
+    return MicroBatchPlan(micro_indices=micro, num_dummy=0), None
 
 
 def split_micro_batches(data: TensorDict, plan: MicroBatchPlan) -> list[TensorDict]:

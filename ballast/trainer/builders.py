@@ -15,6 +15,7 @@ from ballast.engine import OptimConfig as EngineOptim
 from ballast.trainer.algorithms.policy_loss import ActorLossConfig, CriticLossConfig, actor_loss, critic_loss
 from ballast.trainer.config import BallastConfig, DerivedSizes, MicroBatching
 from ballast.trainer.config.schema import OptimConfig
+from ballast.trainer.reward import OverlongBuffer
 from ballast.workers.rollout import RolloutConfig, SamplingConfig
 from ballast.workers.spec import ActorRolloutRefSpec, CriticSpec, TrainLoopSpec
 
@@ -23,9 +24,11 @@ GIB = 1 << 30
 
 def engine_optim(optim: OptimConfig, total_steps: int) -> EngineOptim:
     total = optim.total_training_steps if optim.total_training_steps > 0 else total_steps
-    warmup = optim.lr_warmup_steps if optim.lr_warmup_steps >= 0 else int(optim.lr_warmup_steps_ratio * total)
+    # verl: lr_warmup_steps <= 0 falls back to the ratio; warmup_style (deprecated) overrides lr_scheduler_type.
+    warmup = optim.lr_warmup_steps if optim.lr_warmup_steps > 0 else int(optim.lr_warmup_steps_ratio * total)
+    schedule = optim.warmup_style if optim.warmup_style is not None else optim.lr_scheduler_type
     return EngineOptim(lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay,
-                       lr_schedule=optim.warmup_style, warmup_steps=warmup, total_steps=total,
+                       lr_schedule=schedule, warmup_steps=warmup, total_steps=total,
                        min_lr_ratio=optim.min_lr_ratio)
 
 
@@ -40,7 +43,9 @@ def _engine(cfg: BallastConfig, role: str, model, sp: int, grad_clip: Optional[f
         model_path=model.path, role=role, use_remove_padding=model.use_remove_padding,
         ulysses_sequence_parallel_size=sp, device=cfg.trainer.device,
         enable_activation_checkpointing=model.enable_gradient_checkpointing,
-        cpu_offload=bool(getattr(fsdp, "param_offload", False) or getattr(fsdp, "optimizer_offload", False)),
+        # FSDP2 CPU offload: verl's offload_policy; for the optimizer-less reference also its param_offload.
+        cpu_offload=bool(fsdp.offload_policy or (role == "ref" and fsdp.param_offload)
+                         or (role == "critic" and model.fsdp_config.offload_policy)),
         reshard_after_forward=fsdp.reshard_after_forward, grad_clip=grad_clip, optim=optim,
         trust_remote_code=model.trust_remote_code,
     )
@@ -81,7 +86,8 @@ def actor_loss_config(cfg: BallastConfig) -> ActorLossConfig:
     return ActorLossConfig(
         loss_mode=a.policy_loss.loss_mode, clip_ratio_low=a.clip_ratio_low if a.clip_ratio_low is not None else a.clip_ratio,
         clip_ratio_high=a.clip_ratio_high if a.clip_ratio_high is not None else a.clip_ratio,
-        clip_ratio_c=a.clip_ratio_c, loss_agg_mode=a.loss_agg_mode, entropy_coeff=a.entropy_coeff,
+        clip_ratio_c=a.clip_ratio_c, loss_agg_mode=a.loss_agg_mode, loss_scale_factor=a.loss_scale_factor,
+        entropy_coeff=a.entropy_coeff,
         use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type,
     )
 
@@ -97,7 +103,7 @@ def actor_rollout_ref_spec(cfg: BallastConfig, sizes: DerivedSizes, total_steps:
         mini_batch_samples_per_rank=sizes.actor.mini_batch_samples_per_rank, ppo_epochs=actor.ppo_epochs,
         shuffle=actor.shuffle, seed=cfg.trainer.seed, micro=micro_spec(sizes.actor.train, buckets),
         loss_fn=functools.partial(actor_loss, cfg=actor_loss_config(cfg)), temperature=temperature,
-        calculate_entropy=actor.entropy_coeff > 0,
+        calculate_entropy=actor.entropy_coeff > 0 or actor.calculate_entropy,
         grad_clip_min_batch_size=actor.grad_clip_min_batch_size if actor.grad_clip_adaptive else None,
     )
     ref_engine = ref_infer = None
@@ -119,10 +125,20 @@ def critic_spec(cfg: BallastConfig, sizes: DerivedSizes, total_steps: int) -> Cr
     engine = _engine(cfg, "critic", c.model, sizes.critic.sp_size, c.grad_clip, engine_optim(c.optim, total_steps),
                      c.fsdp_config)
     loss = functools.partial(critic_loss, cfg=CriticLossConfig(cliprange_value=c.cliprange_value,
-                                                               loss_agg_mode=c.loss_agg_mode))
+                                                               loss_agg_mode=c.loss_agg_mode,
+                                                               loss_scale_factor=c.loss_scale_factor))
     train = TrainLoopSpec(
         mini_batch_samples_per_rank=sizes.critic.mini_batch_samples_per_rank, ppo_epochs=c.ppo_epochs,
         shuffle=c.shuffle, seed=cfg.trainer.seed, micro=micro_spec(sizes.critic.train), loss_fn=loss,
     )
     return CriticSpec(critic=engine, train=train, infer=micro_spec(sizes.critic.infer), seed=cfg.trainer.seed,
                       dist_timeout_s=cfg.trainer.worker_timeout_s)
+
+
+def overlong_buffer(cfg: BallastConfig) -> Optional[OverlongBuffer]:
+    """DAPO's overlong reward shaping (`reward_model.overlong_buffer`), or None when off."""
+    ob = cfg.reward_model.overlong_buffer
+    if not ob.enable:
+        return None
+    return OverlongBuffer(max_response_length=cfg.data.max_response_length, buffer_len=ob.len,
+                          penalty_factor=ob.penalty_factor, log=ob.log)

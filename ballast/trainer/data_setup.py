@@ -29,7 +29,7 @@ class RunData:
         self.train_set = RLDataset(d.train_files, tokenizer, max_prompt_length=d.max_prompt_length,
                                    truncation=truncation, prompt_key=d.prompt_key)
         self.loader = StatefulDataLoader(
-            self.train_set, d.train_batch_size, shuffle=d.shuffle, seed=d.seed, drop_last=True,
+            self.train_set, d.gen_batch_size or d.train_batch_size, shuffle=d.shuffle, seed=d.seed, drop_last=True,
             collate_fn=self.collate, num_workers=d.dataloader_num_workers,
             prefetch_factor=d.prefetch_factor if d.dataloader_num_workers > 0 else None,
             persistent_workers=d.persistent_workers,
@@ -49,12 +49,13 @@ class RunData:
     def epoch(self) -> int:
         return self.loader.epoch
 
-    def next_prompts(self, step: int) -> Batch:
+    def next_prompts(self, step: int, uid_prefix: Optional[str] = None) -> Batch:
+        """The next training batch; uids are `<uid_prefix or step{step}>-<row>`."""
         while True:
             if self._iter is None:
                 self._iter = iter(self.loader)
             try:
-                return collated_to_batch(next(self._iter), f"step{step}")
+                return collated_to_batch(next(self._iter), uid_prefix or f"step{step}")
             except StopIteration:
                 self._iter = None
 

@@ -92,6 +92,7 @@ def training_session(cfg: BallastConfig, sizes, raw_config: Optional[dict] = Non
     from tqdm import tqdm
 
     from ballast.models import load_tokenizer
+    from ballast.trainer.builders import overlong_buffer
     from ballast.trainer.data_setup import RunData
     from ballast.trainer.ray_trainer import RayPPOTrainer
     from ballast.trainer.reward import RewardManager
@@ -107,7 +108,8 @@ def training_session(cfg: BallastConfig, sizes, raw_config: Optional[dict] = Non
         tokenizer = load_tokenizer(arr.model.tokenizer_path or arr.model.path)
         data = RunData(cfg, tokenizer)
         reward = RewardManager.from_config(tokenizer, cfg.custom_reward_function.path,
-                                           cfg.custom_reward_function.name, cfg.data.reward_fn_key)
+                                           cfg.custom_reward_function.name, cfg.data.reward_fn_key,
+                                           overlong_buffer(cfg))
     except (ValueError, OSError, ImportError) as err:  # the messages name the file, row or path
         raise InputError(str(err)) from err
     owns_ray = start_ray(cfg)

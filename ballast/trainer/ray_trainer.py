@@ -10,14 +10,16 @@ What this driver leaves out of verl's `RayPPOTrainer.fit`, and why:
 1. One layout. Actor, rollout and reference live in one colocated worker group on one resource
    pool (the critic shares its devices); no per-role pools, no standalone rollout servers. Weight
    sync then stays inside each worker process, and placement needs no configuration.
-2. Synchronous rollout. A step is one `generate_sequences` call with a fixed number of samples: no
-   async agent loop, multi-turn tools or partial rollouts. Every per-rank size is known at start-up
-   (`DerivedSizes`), so a bad combination fails before any worker starts.
-3. Rule rewards on the driver. No reward-model worker, no ReMax baseline generation, no group
-   filtering that changes the batch size mid-step: each is a branch of verl's loop that Ballast's
-   batch-path guarantees would have to be re-proven for.
-4. Old log-probs are always recomputed by the actor. The rollout's own log-probs, when requested,
-   only feed a metric that checks weight sync (`training/rollout_actor_log_prob_diff`).
+2. Synchronous rollout. A step generates with the current weights and trains on exactly
+   train_batch_size x n samples (dynamic sampling, `algorithm.filter_groups`, draws more batches
+   until that many are kept): no async agent loop, multi-turn tools or partial rollouts. Every
+   per-rank size is known at start-up (`DerivedSizes`), so a bad combination fails before any
+   worker starts.
+3. Rule rewards on the driver. No reward-model worker and no ReMax baseline generation: each is a
+   branch of verl's loop that Ballast's batch-path guarantees would have to be re-proven for.
+4. Old log-probs come from the actor, never from the rollout engine (verl's bypass mode). The
+   rollout's own log-probs, when requested, only feed a metric that checks weight sync
+   (`training/rollout_actor_log_prob_diff`).
 5. No profiler hooks, rollout dumps or preemption handling in the loop: checkpoints at `save_freq`
    and at the last step, and `resume_mode=auto`, cover restarts.
 """
@@ -27,27 +29,41 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 from tqdm import tqdm
 
-from ballast.balance import FlopsModel, balance_batch
-from ballast.protocol import Batch
+from ballast.balance import BalancePlan, FlopsModel, balance_batch, balance_metrics, plan_step, workload_costs
+from ballast.protocol import METRICS_KEY, Batch
 from ballast.trainer.algorithms import get_adv_estimator, kl_penalty, make_kl_controller, masked_mean
+from ballast.trainer.algorithms.policy_loss import actor_constant_metrics
+from ballast.trainer.builders import actor_loss_config
 from ballast.trainer.charts import per_rank_tokens, save_balance_chart
 from ballast.trainer.checkpointing import CheckpointManager, rng_state, set_rng_state
 from ballast.trainer.config import BallastConfig, DerivedSizes
 from ballast.trainer.data_setup import RunData
-from ballast.trainer.metrics import data_metrics, throughput_metrics
+from ballast.trainer.dynamic_sampling import count_groups, filter_metric_values, informative_groups, sampling_metrics
+from ballast.trainer.metrics import data_metrics, rollout_probs_diff_metrics, throughput_metrics, timing_metrics
 from ballast.trainer.monitor import (
     DynamicBatchVisualizer, balancer_line, micro_batch_metrics, monitor_lines, rank_load_metrics, should_report,
 )
-from ballast.workers.train_loop import MICRO_TOKENS_KEY
+from ballast.trainer.step_plans import plan_update
+from ballast.workers.actor_rollout_ref import UPDATE_WEIGHTS_METRIC
 from ballast.workers.rollout.base import validation_call_index
+from ballast.workers.train_loop import LOG_PROB_PLAN_KEY, MICRO_TOKENS_KEY, MINI_BATCH_PLANS_KEY
 from ballast.trainer.reward import RewardManager
 from ballast.trainer.roles import Workers
 from ballast.trainer.tracking import Tracker, format_validation, progress_postfix
+from ballast.trainer.val_metrics import validation_metrics
+
+
+# Rollout call indices (sampling seeds) of the extra generation batches of dynamic sampling.
+EXTRA_GENERATION_CALL_STRIDE = 1 << 24
+
+
+class DynamicSamplingError(RuntimeError):
+    """algorithm.filter_groups could not fill a training batch within max_num_gen_batches."""
 
 
 class NonFiniteStepsError(RuntimeError):
@@ -65,8 +81,11 @@ class RayPPOTrainer:
         workload = cfg.trainer.balance_workload
         self.workload = FlopsModel.from_hf_config(model_config) if workload == "flops" else workload
         self.total_steps = data.total_steps
+        self.actor_loss_cfg = actor_loss_config(cfg)
         self.global_step = 0
         self._nonfinite_in_a_row = 0
+        self._pending_metrics: Dict[str, float] = {}  # measured after a step's row was logged
+        self._weight_sync_s = 0.0
         self._step_view: Dict[str, object] = {}  # what the monitor needs from the current step
         self.visualizer = None
         if cfg.trainer.enable_monitor:
@@ -82,6 +101,10 @@ class RayPPOTrainer:
         self.tracker.rewind(self.global_step)
         t = self.cfg.trainer
         last: Dict[str, float] = {}
+        if t.val_only:  # verl: validate the current (possibly resumed) policy once, no training
+            metrics = self.validate()
+            self.tracker.log(metrics, step=self.global_step)
+            return metrics
         if t.val_before_train and self.data.val is not None and self.global_step == 0:
             val = self.validate()
             self.tracker.console(format_validation(val, 0))
@@ -91,15 +114,23 @@ class RayPPOTrainer:
             while self.global_step < self.total_steps:
                 step = self.global_step + 1
                 metrics = self.train_step(self.data.next_prompts(step), step)
+                metrics.update(self._pending_metrics)
+                self._pending_metrics = {}
                 self.global_step = step
                 if self.data.val is not None and t.test_freq > 0 and (step % t.test_freq == 0 or step == self.total_steps):
-                    metrics.update(self.validate())
+                    timing: Dict[str, float] = {}
+                    with _timer(timing, "testing"):
+                        metrics.update(self.validate())
+                    metrics["timing_s/testing"] = timing["testing"]
                     self.tracker.console(format_validation(metrics, step))
                 # Log before saving: a crash during the save then loses no metrics row (a resume
                 # drops the rows after its checkpoint and produces them again).
                 self.tracker.log(metrics, step=step)
                 if t.save_freq > 0 and (step % t.save_freq == 0 or step == self.total_steps):
+                    start = time.perf_counter()
                     self.save_checkpoint()
+                    # logged with the next step's row: this one is already written (see above)
+                    self._pending_metrics["timing_s/save_checkpoint"] = time.perf_counter() - start
                 bar.set_postfix(progress_postfix(metrics), refresh=False)
                 bar.update(1)
                 last = metrics
@@ -111,10 +142,7 @@ class RayPPOTrainer:
         timing: Dict[str, float] = {}
         metrics: Dict[str, float] = {}
         with _timer(timing, "step"):
-            with _timer(timing, "gen"):
-                batch = self.generate(prompts, step)
-            with _timer(timing, "reward"):
-                metrics.update(self.compute_reward(batch))
+            batch = self.generate_and_score(prompts, step, timing, metrics)
             with _timer(timing, "balance"):
                 metrics.update(self.balance(batch, step))
             with _timer(timing, "old_log_prob"):
@@ -129,15 +157,17 @@ class RayPPOTrainer:
                 metrics.update(self.compute_advantages(batch))
             if self.sizes.use_critic:
                 with _timer(timing, "update_critic"):
-                    critic_metrics = self.workers.critic.update_critic(batch)[0]
+                    critic_batch, plan_metrics = self.central_plan(batch, "critic")
+                    critic_metrics = self.workers.critic.update_critic(critic_batch)[0]
                     critic_metrics.pop(MICRO_TOKENS_KEY, None)
-                    metrics.update(critic_metrics)
-            if step > self.cfg.trainer.critic_warmup:
+                    metrics.update(critic_metrics, **plan_metrics)
+            if actor_updates_at(step, self.cfg.trainer.critic_warmup):
                 with _timer(timing, "update_actor"):
                     metrics.update(self.update_actor(batch))
         metrics.update(data_metrics(batch, self.cfg.data.max_response_length, self.sizes.use_critic))
         self.report_monitor(step)
-        metrics.update({f"timing_s/{k}": v for k, v in timing.items()})
+        metrics.update(timing_metrics(batch, timing))
+        metrics.update(rollout_probs_diff_metrics(batch))
         metrics.update(throughput_metrics(batch, timing["step"], self.workers.world_size))
         metrics["training/global_step"] = float(step)
         metrics["training/epoch"] = float(self.data.epoch)
@@ -150,19 +180,71 @@ class RayPPOTrainer:
         batch.meta["rollout_call_index"] = step
         out = self.workers.actor_rollout.generate_sequences(batch)
         out.meta.pop("rollout_call_index", None)
+        synced = out.meta.pop(METRICS_KEY, {}).get(UPDATE_WEIGHTS_METRIC, [])
+        self._weight_sync_s = max(synced, default=0.0)
         return out
 
+    def generate_and_score(self, prompts: Batch, step: int, timing: Dict[str, float],
+                           metrics: Dict[str, float]) -> Batch:
+        """Generate and score; with algorithm.filter_groups, keep only informative groups and draw
+        more prompts until train_batch_size of them are collected (DAPO's dynamic sampling)."""
+        fg = self.cfg.algorithm.filter_groups
+        kept, num_groups, num_gen, evicted = [], 0, 0, 0
+        while True:
+            with _timer(timing, "gen"):
+                batch = self.generate(prompts, step + num_gen * EXTRA_GENERATION_CALL_STRIDE)
+            if self._weight_sync_s:  # part of timing_s/gen, also reported alone as verl does
+                timing["update_weights"] = timing.get("update_weights", 0.0) + self._weight_sync_s
+            with _timer(timing, "reward"):
+                extras = self._score(batch)
+            num_gen += 1
+            if not fg.enable:
+                metrics.update(_extra_means(extras))
+                return batch
+            keep = informative_groups(batch["uid"], filter_metric_values(fg.metric, batch["token_level_scores"], extras))
+            evicted += count_groups(batch["uid"]) - count_groups(batch["uid"][keep])
+            kept.append((batch[np.flatnonzero(keep)], {k: v[keep] for k, v in extras.items()}))
+            num_groups += count_groups(batch["uid"][keep])
+            if num_groups >= self.cfg.data.train_batch_size:
+                break
+            if 0 < fg.max_num_gen_batches <= num_gen:
+                raise DynamicSamplingError(
+                    f"algorithm.filter_groups: {num_gen} generation batches (max_num_gen_batches="
+                    f"{fg.max_num_gen_batches}) gave only {num_groups} of data.train_batch_size="
+                    f"{self.cfg.data.train_batch_size} prompt groups whose answers differ in {fg.metric!r}"
+                )
+            prompts = self.data.next_prompts(step, uid_prefix=f"step{step}.gen{num_gen}")
+        batch = Batch.concat([b for b, _ in kept]) if len(kept) > 1 else kept[0][0]
+        size = self.cfg.data.train_batch_size * self.cfg.actor_rollout_ref.rollout.n
+        extras = {k: np.concatenate([e[k] for _, e in kept]) for k in kept[0][1]}
+        metrics.update(_extra_means({k: v[:size] for k, v in extras.items()}))
+        metrics.update(sampling_metrics(num_gen, evicted, len(batch) - size))
+        return batch[:size]
+
     def compute_reward(self, batch: Batch) -> Dict[str, float]:
+        return _extra_means(self._score(batch))
+
+    def _score(self, batch: Batch) -> Dict[str, np.ndarray]:
         scores, extras = self.reward(batch)
         batch["token_level_scores"] = scores
-        return {f"reward_extra/{k}/mean": float(v.mean()) for k, v in extras.items()}
+        return extras
 
     def balance(self, batch: Batch, step: int) -> Dict[str, float]:
         """Reorder so that the contiguous dp split gives every rank a similar workload (in place)."""
         lengths = batch["attention_mask"].sum(-1).numpy()
         dp = self.sizes.actor.dp_size
         groups = batch["uid"] if self.cfg.trainer.balance_keep_groups else None
-        plan = balance_batch(lengths, dp, workload=self.workload, group_ids=groups)
+        infer = self.sizes.actor.infer
+        bucketed = self.cfg.actor_rollout_ref.actor.dynamic_bsz_bucketing
+        if self.cfg.trainer.balance_batch and infer.use_dynamic_bsz and not bucketed:
+            # The old-log-prob pass is one mini-batch of the whole step: plan ranks and micro-batches together.
+            step_plan = plan_step(lengths, dp, infer.micro_token_budget, workload=self.workload, group_ids=groups)
+            costs = workload_costs(lengths, self.workload)
+            plan = BalancePlan(step_plan.order, step_plan.partitions,
+                               balance_metrics(lengths, costs, step_plan.partitions, dp))
+            batch.meta[LOG_PROB_PLAN_KEY] = step_plan.local_micro_batches()
+        else:
+            plan = balance_batch(lengths, dp, workload=self.workload, group_ids=groups)
         if self.cfg.trainer.balance_batch:
             batch.reorder(plan.order)
             metrics = dict(plan.metrics)
@@ -180,6 +262,7 @@ class RayPPOTrainer:
 
     def compute_old_log_probs(self, batch: Batch) -> Dict[str, float]:
         out = self.workers.actor_rollout.compute_log_prob(batch)
+        batch.meta.pop(LOG_PROB_PLAN_KEY, None)  # consumed: later phases plan their own
         entropy = out.pop("entropy")["entropy"]
         batch["old_log_probs"] = out["old_log_probs"]
         metrics = {"actor/entropy": float(masked_mean(entropy, batch["response_mask"]))}
@@ -199,10 +282,7 @@ class RayPPOTrainer:
         rewards = batch["token_level_scores"]
         if alg.use_kl_in_reward:
             kld = kl_penalty(batch["old_log_probs"], batch["ref_log_prob"], alg.kl_penalty) * mask
-            rewards = rewards - self.kl_ctrl.value * kld
-            current_kl = float(masked_mean(kld, mask, dim=-1).mean())  # per-sequence mean, then batch mean
-            self.kl_ctrl.update(current_kl, n_steps=len(batch))
-            metrics.update({"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": self.kl_ctrl.value})
+            rewards, metrics = apply_kl_in_reward(rewards, kld, mask, self.kl_ctrl)
         batch["token_level_rewards"] = rewards
         adv, returns = get_adv_estimator(alg.adv_estimator)(
             token_level_rewards=rewards, response_mask=mask, index=batch["uid"],
@@ -212,8 +292,29 @@ class RayPPOTrainer:
         batch["advantages"], batch["returns"] = adv, returns
         return metrics
 
+    def central_plan(self, batch: Batch, role: str) -> tuple[Batch, Dict[str, float]]:
+        """The update batch of `role` laid out and planned centrally (every epoch's mini-batches, each
+        rank's samples and micro-batches, see `step_plans`), or `batch` unchanged when the role's
+        micro-batches are static or length-bucketed or balancing is off (its ranks then plan alone)."""
+        sizes = getattr(self.sizes, role)
+        role_cfg = self.cfg.actor_rollout_ref.actor if role == "actor" else self.cfg.critic
+        bucketed = bool(getattr(role_cfg, "dynamic_bsz_bucketing", False))
+        if not (self.cfg.trainer.balance_batch and sizes.train.use_dynamic_bsz) or bucketed:
+            return batch, {}
+        groups = batch["uid"] if self.cfg.trainer.balance_keep_groups else None
+        plan = plan_update(batch["attention_mask"].sum(-1).numpy(), sizes.dp_size, sizes.mini_batch_samples,
+                           sizes.train.micro_token_budget, role_cfg.ppo_epochs, role_cfg.shuffle,
+                           seed=[self.cfg.trainer.seed, self.global_step, int(role == "critic")],
+                           workload=self.workload, group_ids=groups)
+        planned = batch[plan.rows]
+        planned.meta[MINI_BATCH_PLANS_KEY] = plan.plans
+        return planned, {f"balance/{role}_{key}": value for key, value in plan.metrics.items()}
+
     def update_actor(self, batch: Batch) -> Dict[str, float]:
-        metrics = self.workers.actor_rollout.update_actor(batch)[0]
+        actor_batch, plan_metrics = self.central_plan(batch, "actor")
+        metrics = self.workers.actor_rollout.update_actor(actor_batch)[0]
+        metrics.update(plan_metrics)
+        metrics.update(actor_constant_metrics(self.actor_loss_cfg))
         micro_tokens = metrics.pop(MICRO_TOKENS_KEY, [])
         self._step_view["micro_tokens"] = micro_tokens
         metrics.update(micro_batch_metrics(micro_tokens))
@@ -246,17 +347,19 @@ class RayPPOTrainer:
                 self.tracker.log_images({f"dynamic_batch/{k}": v for k, v in images.items()}, step)
 
     def validate(self) -> Dict[str, float]:
-        """Greedy generation on the whole validation set; mean score per data_source."""
-        val = self.data.val
+        """Answer every validation prompt `val_kwargs.n` times; verl's val-core/val-aux metrics per data
+        source, plus the overall mean score and response length."""
+        val = self.data.val.repeat(self.cfg.actor_rollout_ref.rollout.val_kwargs.n, interleave=True)
         outputs = []
         for i, chunk in enumerate(val.split(self.data.val_batch_size or len(val))):
             chunk.meta.update(validate=True, rollout_call_index=validation_call_index(self.global_step, i))
             outputs.append(self.workers.actor_rollout.generate_sequences(chunk))
         out = Batch.concat(outputs) if len(outputs) > 1 else outputs[0]
-        scores, _ = self.reward(out)
+        scores, extras = self.reward(out)
         per_sample = scores.sum(-1).numpy()
         sources = np.asarray(out["data_source"]).astype(str)
-        metrics = {f"val/score/{src}": float(per_sample[sources == src].mean()) for src in np.unique(sources)}
+        infos = {"reward": per_sample.tolist(), **{k: v.tolist() for k, v in extras.items()}}
+        metrics = validation_metrics(sources, np.asarray(out["uid"]).astype(str), infos)
         metrics["val/score/mean"] = float(per_sample.mean())
         metrics["val/response_length/mean"] = float(out["response_mask"].sum(-1).float().mean())
         return metrics
@@ -304,10 +407,33 @@ class RayPPOTrainer:
         return path
 
 
+def _extra_means(extras: Dict[str, np.ndarray]) -> Dict[str, float]:
+    return {f"reward_extra/{k}/mean": float(v.mean()) for k, v in extras.items() if np.issubdtype(v.dtype, np.number)}
+
+
+def actor_updates_at(step: int, critic_warmup: int) -> bool:
+    """verl's rule: the actor trains from step `critic_warmup` on (steps count from 1), so
+    critic_warmup=W trains only the critic on steps 1..W-1 and critic_warmup <= 1 changes nothing."""
+    return step >= critic_warmup
+
+
+def apply_kl_in_reward(scores, kld, mask, kl_ctrl) -> Tuple[object, Dict[str, float]]:
+    """rewards = scores - beta * kl with the coefficient beta of this step, then the controller update.
+
+    The logged coefficient is the one applied to this step's rewards (as verl logs it), not the
+    updated one that the next step will use.
+    """
+    beta = kl_ctrl.value
+    rewards = scores - beta * kld
+    current_kl = float(masked_mean(kld, mask, dim=-1).mean())  # per-sequence mean, then batch mean
+    kl_ctrl.update(current_kl, n_steps=int(scores.shape[0]))
+    return rewards, {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
+
+
 @contextlib.contextmanager
 def _timer(timing: Dict[str, float], name: str):
     start = time.perf_counter()
     try:
         yield
-    finally:
-        timing[name] = time.perf_counter() - start
+    finally:  # summed: dynamic sampling generates (and scores) several batches in one step
+        timing[name] = timing.get(name, 0.0) + time.perf_counter() - start

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from typing import Dict, Optional
 
 import torch
@@ -20,11 +21,13 @@ from tensordict import TensorDict
 
 from ballast.engine import TrainEngine
 from ballast.engine.dist import init_distributed, resolve_device_type
-from ballast.protocol import Batch
+from ballast.protocol import METRICS_KEY, Batch
 from ballast.single_controller import Dispatch, Worker, register
 from ballast.workers.rollout import build_backend, new_tp_group, tp_generate
 from ballast.workers.spec import ActorRolloutRefSpec
-from ballast.workers.train_loop import run_train_loop
+from ballast.workers.train_loop import LOG_PROB_PLAN_KEY, MINI_BATCH_PLANS_KEY, run_train_loop
+
+UPDATE_WEIGHTS_METRIC = "timing_s/update_weights"
 
 ENGINE_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
 PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
@@ -88,15 +91,19 @@ class ActorRolloutRefWorker(Worker):
         # Weights first, then the KV cache (wake_up): the actor's gathered full tensors are freed
         # before the cache comes back. A level-2 sleep discarded the engine's weights, so they are
         # reloaded after every such sleep, not only after an actor update.
+        meta = dict(prompts.meta)
         if self._weights_stale or self.rollout.needs_weights:
+            start = time.perf_counter()
             self.rollout.load_weights(self._require(self.actor, "actor").iter_full_state_dict())
             self._weights_stale = False
+            # verl's timing_s/update_weights; the driver takes the slowest worker
+            meta[METRICS_KEY] = {UPDATE_WEIGHTS_METRIC: [time.perf_counter() - start]}
         self.rollout.wake_up()
         sampling = self.spec.rollout_val_sampling if prompts.meta.get("validate") else None
         out = tp_generate(self.rollout, prompts.tensors.select(*PROMPT_KEYS), self._tp_group, sampling,
                           call_index=prompts.meta.get("rollout_call_index"))
         self.rollout.sleep()
-        return Batch(out, non_tensors=prompts.non_tensors, meta=prompts.meta)
+        return Batch(out, non_tensors=prompts.non_tensors, meta=meta)
 
     # ------------------------------------------------------------------ actor
     def _require(self, engine, role):
@@ -109,7 +116,7 @@ class ActorRolloutRefWorker(Worker):
         """Old log-probs (and per-token entropy, for the metric) under the current actor."""
         actor = self._require(self.actor, "actor")
         out = actor.infer_batch(engine_input(batch), self.spec.actor_infer, temperature=self.spec.temperature,
-                                calculate_entropy=True)
+                                calculate_entropy=True, plan=batch.meta.get(LOG_PROB_PLAN_KEY))
         return Batch({"old_log_probs": out["log_probs"].cpu(), "entropy": out["entropy"].cpu()})
 
     @register(Dispatch.MESH, mesh="ref")
@@ -122,7 +129,8 @@ class ActorRolloutRefWorker(Worker):
     def update_actor(self, batch: Batch) -> Dict[str, float]:
         actor = self._require(self.actor, "actor")
         data = engine_input(batch, ("old_log_probs", "advantages", "ref_log_prob"))
-        metrics = run_train_loop(actor, data, self.spec.actor_train, actor.parallel.dp_rank, "actor")
+        metrics = run_train_loop(actor, data, self.spec.actor_train, actor.parallel.dp_rank, "actor",
+                                 plans=batch.meta.get(MINI_BATCH_PLANS_KEY))
         self._weights_stale = self.rollout is not None
         return metrics
 

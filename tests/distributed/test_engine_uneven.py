@@ -5,6 +5,9 @@ counts differ, the short rank pads with zero-weight dummy micro-batches, everybo
 is a failure after the timeout, the children are killed) and the gradient still equals the
 single-process reference of the union. The same launch checks Ulysses inference: log-probs, entropies
 and critic values in input order equal the sp=1 / single-process values, and a critic update's gradient equals the reference.
+An explicit central plan runs as given (gradient, order restoration), and a malformed one (missing or
+duplicate row, wrong rank count, unequal counts, over the budget on one rank only) raises a clear
+error on every rank, after which the ranks still run collectives together.
 """
 
 from __future__ import annotations
@@ -94,6 +97,36 @@ def _max_rel_grad_diff(engine, ref_grads):
     return max(float((grads[n] - ref_grads[n]).abs().max()) for n in grads) / float(norm)
 
 
+GOOD_PLAN = [[[6, 1, 3, 0], [2, 4, 5, 7]], [[1], [0]]]
+BAD_PLANS = {
+    "duplicate": ([[[6, 1, 3, 0], [2, 4, 5, 7]], [[1], [1]]], "not each of 0..1 exactly once"),
+    "missing": ([[[6, 1, 3], [2, 4, 5, 7]], [[1], [0]]], "covers 7 rows but holds 8|exactly once"),
+    "rank_count": ([[[0, 1, 2, 3, 4, 5, 6, 7]], [[0, 1]], [[0]]], "3 ranks, the DP group has 2"),
+    "unequal": ([[[6, 1, 3, 0], [2, 4, 5, 7]], [[0, 1]]], r"unequal micro-batch counts per rank \[2, 1\]"),
+    # only DP rank 0 can see its token sums: rank 1 learns of it through the preflight agreement
+    "over_budget": ([[[0, 1, 2, 3, 4, 5, 6], [7]], [[1], [0]]], "over the budget 512|another DP rank"),
+}
+
+
+def _explicit_plans(engine, mine, dp_rank, refs, report):
+    spec = MicroBatchSpec(use_dynamic_bsz=True, max_token_len_per_gpu=256)  # 512 tokens with sp=2
+    metrics = engine.forward_backward_batch(mine, token_mean_loss, spec, plan=GOOD_PLAN)
+    report["explicit/loss"] = (metrics["loss"], refs["union"][0])
+    report["explicit/grad"] = _max_rel_grad_diff(engine, refs["union"][1])
+    report["explicit/counts"] = (metrics["num_micro_batches"], metrics["num_dummy_micro_batches"])
+    engine.zero_grad()
+    out = engine.infer_batch(mine, spec, temperature=TEMPERATURE, calculate_entropy=True, plan=GOOD_PLAN)
+    rows = slice(0, 8) if dp_rank == 0 else slice(8, 10)
+    report["infer_explicit/log_probs"] = float((out["log_probs"] - refs["log_probs"][rows]).abs().max())
+    for name, (plan, _) in BAD_PLANS.items():
+        try:
+            engine.forward_backward_batch(mine, token_mean_loss, spec, plan=plan)
+            report[f"bad/{name}"] = "no error"
+        except ValueError as exc:
+            report[f"bad/{name}"] = str(exc)
+        engine.zero_grad()
+
+
 def _uneven_worker(rank, world, root, model_dir):
     from tensordict import TensorDict
 
@@ -124,6 +157,8 @@ def _uneven_worker(rank, world, root, model_dir):
     report["empty/loss"] = (metrics["loss"], refs["long_only"][0])
     report["empty/grad"] = _max_rel_grad_diff(engine, refs["long_only"][1])
     engine.zero_grad()
+
+    _explicit_plans(engine, mine, parallel.dp_rank, refs, report)
 
     # Ulysses inference, dynamic micro-batches (reordered), restored to input order
     out = engine.infer_batch(mine, specs["dynamic"], temperature=TEMPERATURE, calculate_entropy=True)
@@ -162,6 +197,17 @@ def test_uneven_dp_ranks_finish_and_keep_the_gradient_and_ulysses_outputs_exact(
             if rep[f"infer/{key}"] > 2e-5:
                 failures.append(f"rank {rank} Ulysses {key} differ from reference by {rep[f'infer/{key}']:.3g}")
     assert not failures, "\n".join(failures)
+    import re
+
+    for rank, rep in enumerate(reports):
+        loss, ref = rep["explicit/loss"]
+        assert abs(loss - ref) <= REL_TOL * max(1.0, abs(ref)) and rep["explicit/grad"] <= REL_TOL, rank
+        assert rep["explicit/counts"] == (2.0, 0.0)
+        assert rep["infer_explicit/log_probs"] <= 2e-5
+        for name, (_, pattern) in BAD_PLANS.items():
+            assert re.search(pattern, rep[f"bad/{name}"]), (rank, name, rep[f"bad/{name}"])
+    assert "over the budget 512" in reports[0]["bad/over_budget"]
+    assert "another DP rank" in reports[2]["bad/over_budget"]
     # ranks 0, 1 (dp 0, long samples) need several micro-batches; ranks 2, 3 (dp 1) fill with dummies
     assert reports[0]["dynamic/num_dummy"] == reports[1]["dynamic/num_dummy"] == 0
     assert reports[2]["dynamic/num_dummy"] > 0 and reports[2]["dynamic/num_dummy"] == reports[3]["dynamic/num_dummy"]

@@ -1,6 +1,7 @@
 """THE invariance guarantee: loss and full gradient of one mini-batch equal the single-process
 plain-PyTorch reference for every (dp, sp) layout, micro-batch cut, remove-padding setting and loss
-aggregation mode (plus activation checkpointing on one cut).
+aggregation mode (plus activation checkpointing on one cut), and with a central plan
+(`plan_step` over the whole mini-batch, as the trainer's driver makes) instead of per-rank planning.
 
 One process group is launched per (dp, sp) layout; inside it every configuration runs against
 references computed once, here, with an unmodified transformers model (sdpa attention), each sample
@@ -22,6 +23,7 @@ import pytest
 import torch
 import transformers
 
+from ballast.balance import plan_step
 from ballast.engine import EngineConfig, MicroBatchSpec, TrainEngine
 from ballast.engine.losses import LOSS_AGG_MODES, agg_loss
 from testkit.engine import make_rl_batch, reference_log_probs, spawn_ranks
@@ -110,6 +112,8 @@ def _specs(local_rows: int, lengths: np.ndarray, sp: int):
         # lengths <= 8, 9..24 and > 24 tokens
         "dynamic-bucketed": MicroBatchSpec(use_dynamic_bsz=True, max_token_len_per_gpu=max(tight, loose // 3),
                                            bucket_boundaries=(8, 24)),
+        # the same budget as dynamic-tight, but the driver's central plan picks ranks and micro-batches
+        "central-tight": MicroBatchSpec(use_dynamic_bsz=True, max_token_len_per_gpu=tight),
     }
 
 
@@ -124,7 +128,10 @@ def _invariance_worker(rank, world, root, model_dir, sp):
     parallel = build_parallel_state(sp, "cpu")
     rows = NUM_SAMPLES // parallel.dp_size
     local = data[parallel.dp_rank * rows : (parallel.dp_rank + 1) * rows]
-    specs = _specs(rows, data["attention_mask"].sum(-1).numpy(), sp)
+    lengths = data["attention_mask"].sum(-1).numpy()
+    specs = _specs(rows, lengths, sp)
+    central = plan_step(lengths, parallel.dp_size, specs["central-tight"].token_budget(sp))
+    central_local = data[torch.as_tensor(np.split(central.order, parallel.dp_size)[parallel.dp_rank])]
     results = []
     runs = [(rmpad, False, list(specs)) for rmpad in ([True, False] if sp == 1 else [True])]
     runs.append((True, True, ["dynamic-tight"]))  # activation checkpointing on
@@ -136,9 +143,13 @@ def _invariance_worker(rank, world, root, model_dir, sp):
         engine = TrainEngine(cfg, parallel=parallel)
         for spec_name in spec_names:
             spec = specs[spec_name]
+            batch, plan = local, None
+            if spec_name == "central-tight":
+                batch, plan = central_local, central.local_micro_batches()
             for mode in LOSS_AGG_MODES:
                 metrics = engine.forward_backward_batch(
-                    local, partial(rl_loss, mode=mode), spec, temperature=TEMPERATURE, calculate_entropy=True
+                    batch, partial(rl_loss, mode=mode), spec, temperature=TEMPERATURE, calculate_entropy=True,
+                    plan=plan,
                 )
                 grads = {n: p.grad.full_tensor() for n, p in engine.model.named_parameters()}
                 engine.zero_grad()
@@ -150,6 +161,7 @@ def _invariance_worker(rank, world, root, model_dir, sp):
                     rmpad=rmpad, checkpointing=checkpointing, spec=spec_name, mode=mode, loss=metrics["loss"], ref_loss=ref_loss,
                     entropy=metrics["entropy"], ref_entropy=ref_entropy, max_grad_diff=max_diff,
                     ref_grad_norm=ref_norm, num_micro_batches=metrics["num_micro_batches"],
+                    planned=central.num_micro_batches,
                 ))
     if rank == 0:
         with open(os.path.join(root, f"results_{world}_{sp}.json"), "w") as f:
@@ -162,7 +174,7 @@ def test_loss_and_gradient_equal_the_single_process_reference(problem, dp, sp):
     spawn_ranks(_invariance_worker, dp * sp, args=(root, model_dir, sp), timeout_s=240)
     with open(os.path.join(root, f"results_{dp * sp}_{sp}.json")) as f:
         results = json.load(f)
-    expected_runs = ((2 if sp == 1 else 1) * 6 + 1) * len(LOSS_AGG_MODES)
+    expected_runs = ((2 if sp == 1 else 1) * 7 + 1) * len(LOSS_AGG_MODES)
     assert len(results) == expected_runs
     failures = []
     for r in results:
@@ -180,3 +192,4 @@ def test_loss_and_gradient_equal_the_single_process_reference(problem, dp, sp):
     assert counts["static-1"] == NUM_SAMPLES // dp and counts["static-all"] == 1
     assert counts["dynamic-tight"] > counts["dynamic-loose"]
     assert counts["dynamic-bucketed"] >= 3 > counts["dynamic-loose"]  # three buckets, never mixed
+    assert counts["central-tight"] == results[0]["planned"] > 1  # the engine ran the central plan's cut

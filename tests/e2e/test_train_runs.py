@@ -100,6 +100,7 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(session, tmp_path):
     with session("resumed", "trainer.total_training_steps=3", "trainer.resume_mode=auto") as trainer:
         assert trainer.resume() is not None and trainer.global_step == 2
         resumed = trainer.fit()
+    assert straight["balance/actor_plan/num_micro_batches"] >= 1  # the updates ran the driver's central plan
     for key in COMPARED:
         assert resumed[key] == pytest.approx(straight[key], rel=1e-5, abs=1e-7), key
 

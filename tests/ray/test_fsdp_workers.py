@@ -1,4 +1,5 @@
-"""The actor worker through the controller equals the engine run directly (2 DP workers vs 1 process)."""
+"""The actor worker through the controller equals the engine run directly (2 DP workers vs 1 process),
+with each rank planning its micro-batches and then with the driver's central plan."""
 
 import functools
 
@@ -10,10 +11,11 @@ from ballast.engine import EngineConfig, MicroBatchSpec, OptimConfig, TrainEngin
 from testkit.engine import make_rl_batch
 from ballast.protocol import Batch
 from ballast.single_controller import RayWorkerGroup, ResourcePool
+from ballast.trainer.step_plans import plan_update
 from ballast.trainer.algorithms.policy_loss import ActorLossConfig, actor_loss
 from ballast.workers.actor_rollout_ref import ActorRolloutRefWorker, engine_input
 from ballast.workers.spec import ActorRolloutRefSpec, TrainLoopSpec
-from ballast.workers.train_loop import run_train_loop
+from ballast.workers.train_loop import MINI_BATCH_PLANS_KEY, run_train_loop
 
 PROMPTS = [5, 9, 3, 12, 7, 4, 10, 6]
 RESPONSES = [20, 3, 40, 8, 15, 31, 2, 11]
@@ -58,6 +60,11 @@ def test_two_worker_actor_matches_the_engine_run_directly(ray_session, model_dir
         batch["advantages"] = torch.randn(batch["responses"].shape, generator=torch.Generator().manual_seed(2)) \
             * batch["response_mask"]
         remote_metrics = group.update_actor(batch)[0]
+        # second update: the driver's central plan (which rank runs what, in which micro-batches)
+        plan = plan_update(batch["attention_mask"].sum(-1).numpy(), 2, 8, 64, 1, shuffle=False, seed=0)
+        planned = batch[plan.rows]
+        planned.meta[MINI_BATCH_PLANS_KEY] = plan.plans
+        central_metrics = group.update_actor(planned)[0]
         remote_fingerprint = group.actor_state_fingerprint()
     finally:
         group.kill()
@@ -69,8 +76,12 @@ def test_two_worker_actor_matches_the_engine_run_directly(ray_session, model_dir
     torch.testing.assert_close(old["old_log_probs"], direct["log_probs"], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(old["entropy"], direct["entropy"], rtol=1e-5, atol=1e-5)
     local = run_train_loop(engine, engine_input(batch, ("old_log_probs", "advantages")), spec.actor_train, 0, "actor")
+    local_second = run_train_loop(engine, engine_input(batch, ("old_log_probs", "advantages")), spec.actor_train, 0,
+                                  "actor")
     for key in ("actor/pg_loss", "actor/grad_norm", "actor/ppo_kl", "actor/pg_clipfrac"):
         assert remote_metrics[key] == pytest.approx(local[key], rel=1e-4, abs=1e-6), key
+        assert central_metrics[key] == pytest.approx(local_second[key], rel=1e-4, abs=1e-6), key
+    assert central_metrics["actor/num_dummy_micro_batches"] == 0
     fingerprint = sum(float(t.float().abs().sum()) for _, t in engine.iter_full_state_dict())
     assert remote_fingerprint[0] == remote_fingerprint[1] == pytest.approx(fingerprint, rel=1e-6)
     assert remote_metrics["actor/grad_norm"] > 0

@@ -165,3 +165,29 @@ def spawn_ranks(
                 if proc.is_alive():
                     proc.kill()
                     proc.join(5)
+
+
+def schedule_probe_engine(optim):
+    """A `TrainEngine` around a one-weight model whose forward/backward only records the learning
+    rate and sets a unit gradient: the real optimizer_step / lr_scheduler_step without a process group
+    (`engine.seen_lrs` lists the learning rate of every mini-batch)."""
+    from ballast.engine.config import EngineConfig
+    from ballast.engine.engine import TrainEngine
+    from ballast.engine.optim import build_optimizer, build_scheduler
+
+    engine = object.__new__(TrainEngine)
+    engine.cfg = EngineConfig(model_path="unused", optim=optim, grad_clip=1.0, device="cpu")
+    engine.model = torch.nn.Linear(2, 1, bias=False)
+    engine.optimizer = build_optimizer(engine.model.parameters(), optim)
+    engine.scheduler = build_scheduler(engine.optimizer, optim)
+    engine.global_step = engine.skipped_steps = 0
+    engine.last_micro_batch_tokens = [[1]]
+    engine.seen_lrs = []
+
+    def forward_backward_batch(data, loss_fn, spec, **_):
+        engine.seen_lrs.append(engine.optimizer.param_groups[0]["lr"])
+        engine.model.weight.grad = torch.ones_like(engine.model.weight)
+        return {"loss": 0.0, "num_sequences": float(data.batch_size[0])}
+
+    engine.forward_backward_batch = forward_backward_batch
+    return engine

@@ -1,4 +1,5 @@
-"""Advantage estimators (a registry: GAE, GRPO, RLOO, REINFORCE++), pure torch on the driver.
+"""Advantage estimators (a registry: GAE, GRPO, RLOO, REINFORCE++ (+ baseline), Pass@k, OPO, GPG), pure
+torch on the driver.
 
 All take response-aligned (B, R) tensors and return `(advantages, returns)`, both (B, R) and zero
 outside `response_mask`. `index` holds the prompt uid of every sample: the outcome-level estimators
@@ -138,3 +139,67 @@ def gae_advantage(*, token_level_rewards: torch.Tensor, response_mask: torch.Ten
         advantages[:, t] = last
     returns = (advantages + values) * mask
     return masked_whiten(advantages, mask), returns
+
+
+def _group_baseline_or_zero(scores: torch.Tensor, index: Sequence) -> torch.Tensor:
+    """Per-sample group mean; a group of one has no baseline (0), as in verl."""
+    mean, _, size = _group_stats(scores, index)
+    return torch.where(size > 1, mean, torch.zeros_like(mean))
+
+
+@register_adv_estimator("reinforce_plus_plus_baseline")
+def reinforce_plus_plus_baseline_advantage(*, token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
+                                           index: Sequence, **_) -> Tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ with a group baseline: (score - group mean) on every token, whitened over the batch."""
+    scores = token_level_rewards.sum(dim=-1)
+    centred = (scores - _group_baseline_or_zero(scores, index)).unsqueeze(-1) * response_mask
+    adv = masked_whiten(centred, response_mask)
+    return adv, adv
+
+
+@register_adv_estimator("grpo_passk")
+def grpo_passk_advantage(*, token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Sequence,
+                         norm_adv_by_std_in_grpo: bool = True, **_) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Pass@k (Chen et al. 2025): only the best sample of a group is credited, with best - second best
+    [/ group std]; every other sample gets 0. Groups need at least two samples."""
+    scores = token_level_rewards.sum(dim=-1)
+    gid, num_groups = _group_ids(index)
+    adv = torch.zeros_like(scores)
+    for g in range(num_groups):
+        rows = torch.as_tensor(np.flatnonzero(gid == g), device=scores.device)
+        if rows.numel() < 2:
+            raise ValueError(f"algorithm.adv_estimator=grpo_passk needs >= 2 samples per prompt, got {rows.numel()}")
+        group = scores[rows]
+        top, top_idx = torch.topk(group, 2)
+        value = top[0] - top[1]
+        if norm_adv_by_std_in_grpo:
+            value = value / (torch.std(group) + _EPS)
+        adv[rows[top_idx[0]]] = value
+    adv = adv.unsqueeze(-1) * response_mask
+    return adv, adv
+
+
+@register_adv_estimator("opo")
+def opo_advantage(*, token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Sequence,
+                  **_) -> Tuple[torch.Tensor, torch.Tensor]:
+    """OPO (Hao et al. 2025): the baseline is the group's length-weighted mean score."""
+    scores = token_level_rewards.sum(dim=-1)
+    lengths = response_mask.sum(dim=-1).to(scores.dtype)
+    gid, num_groups = _group_ids(index)
+    gid_t = torch.as_tensor(gid, device=scores.device)
+    weighted = torch.zeros(num_groups, dtype=scores.dtype, device=scores.device).index_add_(0, gid_t, lengths * scores)
+    total_len = torch.zeros_like(weighted).index_add_(0, gid_t, lengths)
+    size = torch.zeros_like(weighted).index_add_(0, gid_t, torch.ones_like(scores))
+    baseline = torch.where(size > 1, weighted / total_len.clamp_min(1e-12), torch.zeros_like(weighted))[gid_t]
+    adv = (scores - baseline).unsqueeze(-1) * response_mask
+    return adv, adv
+
+
+@register_adv_estimator("gpg")
+def gpg_advantage(*, token_level_rewards: torch.Tensor, response_mask: torch.Tensor, index: Sequence,
+                  **_) -> Tuple[torch.Tensor, torch.Tensor]:
+    """GPG (Chu et al. 2025): (score - group mean) scaled by batch size / number of non-zero scores."""
+    scores = token_level_rewards.sum(dim=-1)
+    alpha = scores.shape[0] / max(int(torch.count_nonzero(scores)), 1)
+    adv = (alpha * (scores - _group_baseline_or_zero(scores, index))).unsqueeze(-1) * response_mask
+    return adv, adv

@@ -29,7 +29,19 @@ def _k3(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
     return torch.clamp(torch.exp(log_ratio) - log_ratio - 1.0, -10.0, 10.0)
 
 
+def _straight_through(forward: KLFn) -> KLFn:
+    """The value of `forward` with the gradient of k2 (whose gradient is the unbiased KL gradient;
+    k1's and k3's are not): verl's '+' suffix, e.g. k3+."""
+    def kl(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
+        k2 = _k2(log_prob, ref_log_prob)
+        return k2 - k2.detach() + forward(log_prob, ref_log_prob).detach()
+
+    return kl
+
+
 KL_PENALTIES: Dict[str, KLFn] = {"kl": _k1, "k1": _k1, "abs": _abs, "mse": _k2, "k2": _k2, "low_var_kl": _k3, "k3": _k3}
+KL_PENALTIES.update({f"{name}+": _straight_through(fn) for name, fn in list(KL_PENALTIES.items()) if fn is not _k2})
+KL_PENALTIES.update({"mse+": _k2, "k2+": _k2})  # k2 already has the right gradient
 
 
 def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) -> torch.Tensor:

@@ -9,7 +9,7 @@ values.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -37,6 +37,7 @@ class ActorLossConfig:
     clip_ratio_high: float = 0.2
     clip_ratio_c: float = 3.0
     loss_agg_mode: str = "token-mean"
+    loss_scale_factor: Optional[float] = None  # seq-mean-token-sum-norm's horizon (None: response width)
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
@@ -65,7 +66,57 @@ def vanilla_policy_loss(*, log_prob, old_log_prob, advantages, response_mask, no
                                             "token-mean", norm),
         "actor/ppo_kl": agg_loss(-log_ratio, response_mask, "token-mean", norm),
     }
-    return agg_loss(per_token, response_mask, mode, norm), metrics
+    return agg_loss(per_token, response_mask, mode, norm, cfg.loss_scale_factor), metrics
+
+
+@register_policy_loss("gspo")
+def gspo_policy_loss(*, log_prob, old_log_prob, advantages, response_mask, norm, cfg: ActorLossConfig):
+    """GSPO (Zheng et al. 2025): the clipped surrogate with the sequence-level ratio
+    s_i = exp(mean_t(logp - old_logp)) on every token, its gradient flowing through each token's logp
+    (log s_i,t = sg[log s_i] + logp - sg[logp], capped at 10). No dual clip."""
+    log_ratio = log_prob - old_log_prob
+    seq_log_ratio = (log_ratio * response_mask).sum(-1) / response_mask.sum(-1).clamp(min=1)
+    log_seq_ratio = torch.clamp(log_prob - log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1), max=10.0)
+    ratio = torch.exp(log_seq_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
+    per_token = torch.maximum(unclipped, clipped)
+    metrics = {
+        "actor/pg_clipfrac": agg_loss((clipped > unclipped).float(), response_mask, "token-mean", norm),
+        "actor/pg_clipfrac_lower": torch.zeros(()),
+        "actor/ppo_kl": agg_loss(-log_ratio, response_mask, "token-mean", norm),
+    }
+    return agg_loss(per_token, response_mask, cfg.loss_agg_mode, norm, cfg.loss_scale_factor), metrics
+
+
+@register_policy_loss("gpg")
+def gpg_policy_loss(*, log_prob, old_log_prob, advantages, response_mask, norm, cfg: ActorLossConfig):
+    """GPG (Chu et al. 2025): the plain policy gradient -A * logp, no ratio and no clipping."""
+    del old_log_prob
+    return agg_loss(-log_prob * advantages, response_mask, cfg.loss_agg_mode, norm, cfg.loss_scale_factor), {}
+
+
+@register_policy_loss("geo_mean")
+def geo_mean_policy_loss(*, log_prob, old_log_prob, advantages, response_mask, norm, cfg: ActorLossConfig):
+    """GMPO (Zhao et al. 2025): per sequence, -mean_t(A) * exp(mean_t(clipped log-ratio)), where each
+    token's log-ratio is clipped to [-eps_low, eps_high] on the side its advantage sign makes pessimistic;
+    averaged over the sequences of the mini-batch (loss_agg_mode does not apply, as in verl)."""
+    log_ratio = log_prob - old_log_prob
+    sign = torch.sign(advantages)
+    clamped = torch.clamp(log_ratio, -cfg.clip_ratio_low, cfg.clip_ratio_high)
+    pessimistic = sign * torch.minimum(sign * log_ratio, sign * clamped)
+    lengths = response_mask.sum(-1)
+    seq_ratio = torch.exp((pessimistic * response_mask).sum(-1) / (lengths + 1e-8))
+    seq_adv = (advantages * response_mask).sum(-1) / (lengths + 1e-8)
+    # Each sequence's share of the mini-batch mean over sequences.
+    loss = (-seq_adv * seq_ratio).sum() / max(norm.num_sequences, 1)
+    was_clipped = (log_ratio != clamped).float()
+    metrics = {
+        "actor/pg_clipfrac": agg_loss(was_clipped * (advantages > 0), response_mask, "token-mean", norm),
+        "actor/pg_clipfrac_lower": agg_loss(was_clipped * (advantages < 0), response_mask, "token-mean", norm),
+        "actor/ppo_kl": agg_loss(-log_ratio, response_mask, "token-mean", norm),
+    }
+    return loss, metrics
 
 
 def actor_loss(outputs: Dict[str, torch.Tensor], micro, norm, *, cfg: ActorLossConfig):
@@ -78,34 +129,45 @@ def actor_loss(outputs: Dict[str, torch.Tensor], micro, norm, *, cfg: ActorLossC
     loss = pg_loss
     metrics["actor/pg_loss"] = pg_loss.detach()
     if "entropy" in outputs:
-        entropy = agg_loss(outputs["entropy"], mask, cfg.loss_agg_mode, norm)
+        entropy = agg_loss(outputs["entropy"], mask, cfg.loss_agg_mode, norm, cfg.loss_scale_factor)
         metrics["actor/entropy"] = entropy.detach()
         if cfg.entropy_coeff:
             loss = loss - cfg.entropy_coeff * entropy
     if cfg.use_kl_loss:
         kld = kl_penalty(outputs["log_probs"], micro["ref_log_prob"], cfg.kl_loss_type)
-        kl_loss = agg_loss(kld, mask, cfg.loss_agg_mode, norm)
+        kl_loss = agg_loss(kld, mask, cfg.loss_agg_mode, norm, cfg.loss_scale_factor)
         metrics["actor/kl_loss"] = kl_loss.detach()
-        metrics["actor/kl_coef"] = torch.tensor(cfg.kl_loss_coef)
         loss = loss + cfg.kl_loss_coef * kl_loss
     return loss, {k: v.detach() if torch.is_tensor(v) else v for k, v in metrics.items()}
+
+
+def actor_constant_metrics(cfg: ActorLossConfig) -> Dict[str, float]:
+    """Metrics that are constants of the config, logged by the driver.
+
+    The engine sums what a loss returns over micro-batches and DP ranks (every loss metric is a
+    share), so a constant returned by the loss would be logged multiplied by the micro-batch count.
+    """
+    return {"actor/kl_coef": cfg.kl_loss_coef} if cfg.use_kl_loss else {}
 
 
 @dataclass(frozen=True)
 class CriticLossConfig:
     cliprange_value: float = 0.5
     loss_agg_mode: str = "token-mean"
+    loss_scale_factor: Optional[float] = None
 
 
 def critic_loss(outputs: Dict[str, torch.Tensor], micro, norm, *, cfg: CriticLossConfig):
     """Clipped value loss: 0.5 * max((v - R)^2, (clip(v, v_old - c, v_old + c) - R)^2)."""
     values, old_values, returns = outputs["values"], micro["values"], micro["returns"]
     mask = micro["response_mask"].to(values.dtype)
-    clipped = old_values + torch.clamp(values - old_values, -cfg.cliprange_value, cfg.cliprange_value)
+    # clamp(v, lo, hi) returns v itself inside the range; old + clamp(v - old) would round it and
+    # count unclipped tokens as clipped in vf_clipfrac.
+    clipped = torch.clamp(values, old_values - cfg.cliprange_value, old_values + cfg.cliprange_value)
     loss_unclipped = (values - returns).square()
     loss_clipped = (clipped - returns).square()
     per_token = 0.5 * torch.maximum(loss_unclipped, loss_clipped)
-    loss = agg_loss(per_token, mask, cfg.loss_agg_mode, norm)
+    loss = agg_loss(per_token, mask, cfg.loss_agg_mode, norm, cfg.loss_scale_factor)
     metrics = {
         "critic/vf_loss": loss.detach(),
         "critic/vf_clipfrac": agg_loss((loss_clipped > loss_unclipped).float(), mask, "token-mean", norm).detach(),

@@ -22,8 +22,10 @@ class DataConfig:
     max_prompt_length: int
     max_response_length: int
     train_batch_size: int
+    gen_batch_size: Optional[int]  # DAPO recipe: prompts per generation batch with filter_groups (null: train_batch_size)
     val_batch_size: Optional[int]
     truncation: str
+    return_raw_chat: bool
     filter_overlong_prompts: bool
     shuffle: bool
     seed: int
@@ -42,13 +44,28 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class CriticModelFSDPConfig:
+    """verl's older placement of the critic's FSDP switches (`critic.model.fsdp_config.*`); null: unset."""
+
+    param_offload: Optional[bool]
+    optimizer_offload: Optional[bool]
+    offload_policy: Optional[bool]
+
+
+@dataclass(frozen=True)
+class CriticModelConfig(ModelConfig):
+    fsdp_config: CriticModelFSDPConfig
+
+
+@dataclass(frozen=True)
 class OptimConfig:
     lr: float
     betas: List[float]
     weight_decay: float
     lr_warmup_steps: int
     lr_warmup_steps_ratio: float
-    warmup_style: str
+    lr_scheduler_type: str
+    warmup_style: Optional[str]  # verl's deprecated spelling; when set it overrides lr_scheduler_type
     min_lr_ratio: float
     total_training_steps: int
 
@@ -57,12 +74,15 @@ class OptimConfig:
 class FSDPConfig:
     param_offload: bool
     optimizer_offload: bool
+    offload_policy: bool
     reshard_after_forward: bool
+    fsdp_size: int  # -1: shard over every worker (the only layout Ballast implements)
 
 
 @dataclass(frozen=True)
 class RefFSDPConfig:
     param_offload: bool
+    offload_policy: bool
     reshard_after_forward: bool
 
 
@@ -91,7 +111,11 @@ class ActorConfig:
     clip_ratio_high: Optional[float]
     clip_ratio_c: float
     loss_agg_mode: str
+    loss_scale_factor: Optional[float]
     entropy_coeff: float
+    calculate_entropy: bool
+    use_torch_compile: bool
+    data_loader_seed: Optional[int]
     use_kl_loss: bool
     kl_loss_coef: float
     kl_loss_type: str
@@ -121,6 +145,7 @@ class ValKwargs:
 @dataclass(frozen=True)
 class RolloutConfig:
     name: str
+    mode: str
     temperature: float
     top_k: int
     top_p: float
@@ -161,7 +186,7 @@ class ActorRolloutRefConfig:
 class CriticConfig:
     enable: Optional[bool]
     strategy: str
-    model: ModelConfig
+    model: CriticModelConfig
     ppo_mini_batch_size: int
     ppo_micro_batch_size_per_gpu: Optional[int]
     forward_micro_batch_size_per_gpu: Optional[int]
@@ -171,9 +196,11 @@ class CriticConfig:
     ulysses_sequence_parallel_size: int
     ppo_epochs: int
     shuffle: bool
+    data_loader_seed: Optional[int]
     grad_clip: float
     cliprange_value: float
     loss_agg_mode: str
+    loss_scale_factor: Optional[float]
     optim: OptimConfig
     fsdp_config: FSDPConfig
 
@@ -193,6 +220,27 @@ class KLControlConfig:
 
 
 @dataclass(frozen=True)
+class FilterGroupsConfig:
+    enable: bool
+    metric: str
+    max_num_gen_batches: int
+
+
+@dataclass(frozen=True)
+class OverlongBufferConfig:
+    enable: bool
+    len: int
+    penalty_factor: float
+    log: bool
+
+
+@dataclass(frozen=True)
+class RewardModelConfig:
+    reward_manager: str
+    overlong_buffer: OverlongBufferConfig
+
+
+@dataclass(frozen=True)
 class AlgorithmConfig:
     adv_estimator: str
     gamma: float
@@ -201,6 +249,7 @@ class AlgorithmConfig:
     use_kl_in_reward: bool
     kl_penalty: str
     kl_ctrl: KLControlConfig
+    filter_groups: FilterGroupsConfig
 
 
 @dataclass(frozen=True)
@@ -220,6 +269,7 @@ class TrainerConfig:
     save_freq: int
     test_freq: int
     val_before_train: bool
+    val_only: bool
     resume_mode: str
     resume_from_path: Optional[str]
     default_local_dir: str
@@ -245,6 +295,7 @@ class BallastConfig:
     actor_rollout_ref: ActorRolloutRefConfig
     critic: CriticConfig
     custom_reward_function: CustomRewardConfig
+    reward_model: RewardModelConfig
     algorithm: AlgorithmConfig
     trainer: TrainerConfig
     ray_init: RayInitConfig

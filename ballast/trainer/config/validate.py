@@ -17,10 +17,10 @@ from ballast.trainer.config.schema import BallastConfig, OptimConfig
 DEVICES = ("auto", "cpu", "cuda")
 LOGGERS = ("console", "wandb", "tensorboard", "jsonl")
 ROLLOUT_BACKENDS = ("vllm", "hf")
-TRUNCATIONS = ("error", "left", "right", "filter")
+TRUNCATIONS = ("error", "left", "right", "middle", "filter")
 WARMUP_STYLES = ("constant", "cosine")
 KL_CONTROLLERS = ("fixed", "adaptive")
-STRATEGIES = ("fsdp2", "fsdp")
+STRATEGIES = ("fsdp2",)
 WORKLOADS = ("tokens", "verl", "flops")
 RESUME_MODES = ("auto", "disable", "resume_path")
 
@@ -49,7 +49,12 @@ def check_config(cfg: BallastConfig, model: Optional[ModelInfo] = None) -> Deriv
     _check_names(cfg, names)
     _check_ranges(cfg)
     _check_rules(cfg)
-    return derive_sizes(cfg, model)
+    sizes = derive_sizes(cfg, model)
+    gen = cfg.data.gen_batch_size
+    if gen is not None and gen * cfg.actor_rollout_ref.rollout.n % sizes.rollout_dp:
+        raise ConfigError(f"data.gen_batch_size * actor_rollout_ref.rollout.n = {gen * cfg.actor_rollout_ref.rollout.n} "
+                          f"samples must divide over the {sizes.rollout_dp} rollout workers")
+    return sizes
 
 
 def _check_names(cfg: BallastConfig, names: dict) -> None:
@@ -62,10 +67,24 @@ def _check_names(cfg: BallastConfig, names: dict) -> None:
     _one_of("algorithm.kl_penalty", cfg.algorithm.kl_penalty, names["kl_penalty"])
     _one_of("algorithm.kl_ctrl.type", cfg.algorithm.kl_ctrl.type, KL_CONTROLLERS)
     _one_of("actor_rollout_ref.rollout.name", arr.rollout.name, ROLLOUT_BACKENDS)
-    _one_of("actor_rollout_ref.actor.strategy", actor.strategy, STRATEGIES)
-    _one_of("critic.strategy", cfg.critic.strategy, STRATEGIES)
-    _one_of("actor_rollout_ref.actor.optim.warmup_style", actor.optim.warmup_style, WARMUP_STYLES)
-    _one_of("critic.optim.warmup_style", cfg.critic.optim.warmup_style, WARMUP_STYLES)
+    for key, strategy in (("actor_rollout_ref.actor.strategy", actor.strategy), ("critic.strategy", cfg.critic.strategy)):
+        if strategy == "fsdp":
+            raise ConfigError(
+                f"{key}='fsdp' is verl's FSDP1 wrapper, which Ballast does not implement; Ballast's engine is "
+                f"FSDP2: set {key}=fsdp2 (the same sharded data-parallel training)"
+            )
+        _one_of(key, strategy, STRATEGIES)
+    for prefix, optim in (("actor_rollout_ref.actor.optim", actor.optim), ("critic.optim", cfg.critic.optim)):
+        _one_of(f"{prefix}.lr_scheduler_type", optim.lr_scheduler_type, WARMUP_STYLES)
+        if optim.warmup_style is not None:
+            _one_of(f"{prefix}.warmup_style", optim.warmup_style, WARMUP_STYLES)
+    if not arr.hybrid_engine:
+        raise ConfigError("actor_rollout_ref.hybrid_engine=False is not supported (verl's PPO trainer requires "
+                          "True as well): the actor and rollout always share one process")
+    _one_of("actor_rollout_ref.rollout.mode", arr.rollout.mode, ("sync", "async"))
+    if arr.rollout.mode == "async":
+        raise ConfigError("actor_rollout_ref.rollout.mode=async (verl's agent-loop rollout server) is not "
+                          "implemented; set actor_rollout_ref.rollout.mode=sync (batched generation)")
     _one_of("data.truncation", cfg.data.truncation, TRUNCATIONS)
     _one_of("trainer.device", t.device, DEVICES)
     _one_of("trainer.balance_workload", t.balance_workload, WORKLOADS)
@@ -140,11 +159,67 @@ def _check_ranges(cfg: BallastConfig) -> None:
             f"actor_rollout_ref.rollout.temperature={rollout.temperature} must be > 0 when do_sample=True "
             "(use do_sample=False for greedy decoding)"
         )
-    if rollout.val_kwargs.n != 1:
-        raise ConfigError(f"actor_rollout_ref.rollout.val_kwargs.n={rollout.val_kwargs.n}: only 1 is supported")
+    _at_least("actor_rollout_ref.rollout.val_kwargs.n", rollout.val_kwargs.n, 1)
+    if rollout.val_kwargs.n > 1 and not rollout.val_kwargs.do_sample:
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.val_kwargs.n={rollout.val_kwargs.n} with val_kwargs.do_sample=False would "
+            "repeat one greedy answer: set val_kwargs.do_sample=True (and a temperature > 0)"
+        )
+
+
+def _check_offload(cfg: BallastConfig) -> None:
+    """verl's offload switches: each means what verl means, or the run stops here naming the key."""
+    arr = cfg.actor_rollout_ref
+    switches = [
+        ("actor_rollout_ref.actor.fsdp_config", arr.actor.fsdp_config),
+        ("actor_rollout_ref.ref.fsdp_config", arr.ref.fsdp_config), ("critic.fsdp_config", cfg.critic.fsdp_config),
+        ("critic.model.fsdp_config", cfg.critic.model.fsdp_config),
+    ]
+    for prefix, fsdp in switches:
+        on = [k for k in ("param_offload", "optimizer_offload", "offload_policy") if getattr(fsdp, k, False)]
+        if on and cfg.trainer.device == "cpu":
+            raise ConfigError(
+                f"{prefix}.{on[0]}=True offloads from GPU to host memory, but trainer.device=cpu keeps everything "
+                f"in host memory already: set {prefix}.{on[0]}=False"
+            )
+        size = getattr(fsdp, "fsdp_size", -1)
+        if size not in (-1, cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node):
+            raise ConfigError(f"{prefix}.fsdp_size={size}: hybrid sharding is not implemented; use -1 (shard over "
+                              "all workers)")
+        if prefix.endswith("ref.fsdp_config"):
+            continue  # the reference model has no optimizer: param_offload = FSDP2 CPU offload, as verl means it
+        for key in ("param_offload", "optimizer_offload"):
+            if getattr(fsdp, key):
+                raise ConfigError(
+                    f"{prefix}.{key}=True (verl: move the {'parameters' if key == 'param_offload' else 'optimizer states'} "
+                    f"to host memory between phases) is not implemented; {prefix}.offload_policy=True keeps "
+                    "parameters, gradients and optimizer states in host memory (FSDP2 CPU offload)"
+                )
+
+
+def _check_dapo(cfg: BallastConfig) -> None:
+    fg, rm = cfg.algorithm.filter_groups, cfg.reward_model
+    _one_of("reward_model.reward_manager", rm.reward_manager, ("naive", "dapo"))
+    if fg.enable and cfg.actor_rollout_ref.rollout.n < 2:
+        raise ConfigError("algorithm.filter_groups.enable=True compares the answers of one prompt: "
+                          f"actor_rollout_ref.rollout.n={cfg.actor_rollout_ref.rollout.n} must be >= 2")
+    if fg.enable and fg.metric == "seq_final_reward" and cfg.algorithm.use_kl_in_reward:
+        raise ConfigError("algorithm.filter_groups.metric=seq_final_reward with algorithm.use_kl_in_reward=True is "
+                          "not supported (groups are filtered before the KL penalty): use metric=reward")
+    gen = cfg.data.gen_batch_size
+    if gen is not None and gen != cfg.data.train_batch_size and not fg.enable:
+        raise ConfigError(f"data.gen_batch_size={gen} differs from data.train_batch_size={cfg.data.train_batch_size} "
+                          "but algorithm.filter_groups.enable=False: every generated prompt would be trained on")
+    if gen is not None and gen < 1:
+        raise ConfigError(f"data.gen_batch_size={gen} must be >= 1 (or null)")
+    ob = rm.overlong_buffer
+    if ob.enable and not 0 < ob.len <= cfg.data.max_response_length:
+        raise ConfigError(f"reward_model.overlong_buffer.len={ob.len} must be in (0, data.max_response_length="
+                          f"{cfg.data.max_response_length}] when reward_model.overlong_buffer.enable=True")
 
 
 def _check_rules(cfg: BallastConfig) -> None:
+    _check_offload(cfg)
     data, arr = cfg.data, cfg.actor_rollout_ref
     actor, rollout = arr.actor, arr.rollout
     seq = data.max_prompt_length + data.max_response_length
@@ -186,12 +261,15 @@ def _check_rules(cfg: BallastConfig) -> None:
         raise ConfigError(
             f"critic.enable=True but algorithm.adv_estimator={cfg.algorithm.adv_estimator!r} does not use values"
         )
-    if cfg.algorithm.adv_estimator in ("grpo", "rloo") and rollout.n < 2:
+    if cfg.algorithm.adv_estimator in ("grpo", "rloo", "grpo_passk") and rollout.n < 2:
         raise ConfigError(
             f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares the samples of one prompt: "
             f"actor_rollout_ref.rollout.n={rollout.n} must be >= 2"
         )
     if cfg.trainer.critic_warmup > 0 and not uses_critic(cfg):
         raise ConfigError(f"trainer.critic_warmup={cfg.trainer.critic_warmup} needs a critic (algorithm.adv_estimator=gae)")
+    _check_dapo(cfg)
+    if cfg.trainer.val_only and not data.val_files:
+        raise ConfigError("trainer.val_only=True needs data.val_files")
     if data.dataloader_num_workers == 0 and data.persistent_workers:
         raise ConfigError("data.persistent_workers=True needs data.dataloader_num_workers >= 1")

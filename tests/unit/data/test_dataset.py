@@ -116,7 +116,7 @@ def test_file_errors_name_the_file(tokenizer, tmp_path):
     with pytest.raises(ValueError, match="rows.csv.*unsupported data file type"):
         RLDataset(other, tokenizer)
     with pytest.raises(ValueError, match="truncation must be one of"):
-        RLDataset(tmp_path / "x.jsonl", tokenizer, truncation="middle")
+        RLDataset(tmp_path / "x.jsonl", tokenizer, truncation="center")
 
 
 class _MismatchedTokenizer:
@@ -180,3 +180,12 @@ def test_raw_prompt_column_is_never_two_dimensional(tokenizer, tmp_path):
     batch = PromptCollator(tokenizer.pad_token_id)([ds[0], ds[1]])
     assert batch["raw_prompt"].shape == (2,)
     assert isinstance(batch["raw_prompt"][1], list) and isinstance(np.asarray(batch["index"]), np.ndarray)
+
+
+def test_middle_truncation_keeps_both_ends_as_verl(tokenizer, tmp_path):
+    path = tmp_path / "long.jsonl"
+    path.write_text(json.dumps(make_row(" ".join(str(i) for i in range(40)))) + "\n")
+    full = RLDataset(path, tokenizer, max_prompt_length=10_000)[0]["input_ids"].tolist()
+    for keep in (7, 8):
+        ids = RLDataset(path, tokenizer, max_prompt_length=keep, truncation="middle")[0]["input_ids"].tolist()
+        assert ids == full[: keep // 2] + full[len(full) - (keep - keep // 2):]

@@ -89,3 +89,28 @@ def test_dynamic_plans_balance_the_workload_they_are_given():
         assert all(lengths[idx].sum() <= 2500 for idx in plan.micro_indices)
         worst[name] = max(costs[idx].sum() for idx in plan.micro_indices)
     assert worst["flops"] < worst["tokens"]
+
+
+def test_explicit_plan_gives_this_ranks_part_and_names_every_defect():
+    from ballast.engine.micro_batch import explicit_plan
+
+    spec = MicroBatchSpec(use_dynamic_bsz=True, max_token_len_per_gpu=10)
+    lengths = np.array([4, 6, 9])
+    plan = [[[2], [0, 1]], [[1, 0], [2]]]
+    got, error = explicit_plan(plan, spec, 1, 2, 0, lengths)
+    assert error is None and got.num_dummy == 0
+    assert [m.tolist() for m in got.micro_indices] == [[2], [0, 1]]
+    assert got.restore_index().tolist() == [1, 2, 0]
+    cases = {
+        "3 ranks, the DP group has 2": [[[0, 1, 2]], [[0]], [[0]]],
+        "unequal micro-batch counts per rank [2, 1]": [[[2], [0, 1]], [[0, 1, 2]]],
+        "rank 1's row indices are not each of 0..2 exactly once": [[[2], [0, 1]], [[1, 1], [2]]],
+        "rank 0 covers 2 rows but holds 3": [[[2], [0]], [[1, 0], [2]]],
+        "rank 0 has an empty micro-batch": [[[], [0, 1, 2]], [[1], [0]]],
+        "micro-batch 0 holds 15 tokens, over the budget 10": [[[1, 2], [0]], [[1, 0], [2]]],
+    }
+    for message, bad in cases.items():
+        got, error = explicit_plan(bad, spec, 1, 2, 0, lengths)
+        assert got is None and message in error, (message, error)
+    bucketed = MicroBatchSpec(use_dynamic_bsz=True, max_token_len_per_gpu=10, bucket_boundaries=(4,))
+    assert "bucketing" in explicit_plan(plan, bucketed, 1, 2, 0, lengths)[1]

@@ -1,0 +1,200 @@
+"""One training step's (or mini-batch's) whole batch plan: which samples each DP rank runs, cut
+into micro-batches in execution order, chosen to minimise the lockstep cost.
+
+:func:`plan_step` is the single entry point the trainer and the benchmark use. It builds a few
+candidate plans, each a DP partition (equal sample counts per rank) followed by micro-batches under
+a hard token cap with the same count on every rank, and keeps the one with the lowest lockstep cost
+(``sum_j max_r cost[r][j]``, see :mod:`ballast.balance.joint`):
+
+* ``joint``: the workload-balanced DP partition (:func:`balance_batch`), then
+  :func:`plan_joint_micro_batches` (each rank balanced under the cap, then lockstep exchanges);
+* ``kk_verl_dp``: a Karmarkar-Karp DP partition on the ``"verl"`` cost ``24576 L + L^2`` (which
+  lines up the micro-steps better when a rank holds only a few long samples), then the joint
+  micro-batches on it;
+* ``*_kk_micro``: either DP partition, then per-rank Karmarkar-Karp micro-batches with the count
+  grown from ``ceil(tokens / cap)`` until every rank fits (the classic dynamic-batch recipe),
+  aligned by cost and refined by the same lockstep exchanges.
+
+The alternatives are built only for ranks of at most 32 samples (see
+``_ALTERNATIVES_MAX_SAMPLES_PER_RANK``); larger mini-batches get the joint plan alone.
+
+The first is the previous planner; keeping the cheapest makes the result never worse than any of
+them on the cost model. :func:`lockstep_lower_bounds` gives the perfect-split bound and a tighter
+one that accounts for indivisible samples and the per-micro-batch cap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import numpy as np
+
+from .dp_balance import balance_batch
+from .joint import lockstep_cost, plan_joint_micro_batches, refine_lockstep
+from .micro_batch import _tokens_and_cap
+from .partition import karmarkar_karp, validate_partition
+from .workload import Workload, workload_costs
+
+# How many times the per-rank Karmarkar-Karp candidate may grow its count before it is dropped.
+_KK_MAX_GROWTH = 2
+# The alternative candidates are built only when ranks hold at most this many samples: there a few
+# long samples decide each micro-step and the choice of partition matters; with many samples per
+# rank the joint plan is already within a fraction of a percent of the bound, and the extra
+# candidates would double the planning time the driver spends every mini-batch.
+_ALTERNATIVES_MAX_SAMPLES_PER_RANK = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """``micro_batches[r][j]``: global sample indices of rank ``r``'s ``j``-th micro-batch (execution
+    order; the same count on every rank). ``partitions[r]`` is their concatenation, so sending
+    ``batch[order]`` in ``dp`` contiguous equal chunks gives rank ``r`` its samples with micro-batch
+    ``j`` at the rows :meth:`local_micro_batches` names."""
+
+    micro_batches: list[list[np.ndarray]]
+    lockstep_cost: float
+    lower_bound: float
+    attainable_lower_bound: float
+    candidate: str
+
+    @property
+    def dp_size(self) -> int:
+        return len(self.micro_batches)
+
+    @property
+    def num_micro_batches(self) -> int:
+        return len(self.micro_batches[0]) if self.micro_batches else 0
+
+    @property
+    def partitions(self) -> list[np.ndarray]:
+        return [np.concatenate(rank) if rank else np.zeros(0, dtype=np.int64) for rank in self.micro_batches]
+
+    @property
+    def order(self) -> np.ndarray:
+        parts = self.partitions
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+    def local_micro_batches(self) -> list[list[np.ndarray]]:
+        """``[r][j]``: row positions of micro-batch ``j`` inside rank ``r``'s chunk of ``batch[order]``."""
+        out = []
+        for rank in self.micro_batches:
+            bounds = np.cumsum([0] + [len(mb) for mb in rank])
+            out.append([np.arange(bounds[j], bounds[j + 1], dtype=np.int64) for j in range(len(rank))])
+        return out
+
+
+def lockstep_lower_bounds(
+    lengths: Sequence[int] | np.ndarray, dp: int, max_tokens: int, workload: Workload = "tokens"
+) -> tuple[float, float]:
+    """(``total / dp``, an attainable-side bound >= it) on the lockstep cost of any plan with equal
+    sample counts per rank and micro-batches of <= ``max_tokens`` tokens.
+
+    The second is the largest of: ``total / dp``; the rank holding the costliest sample (it runs at
+    least that sample plus the ``N/dp - 1`` cheapest others); and the sum of micro-step maxima. For
+    the last, sort samples by decreasing cost: a micro-step holds at most ``dp * max_tokens`` tokens,
+    so if the ``t``-th costliest micro-step maximum were below the sample that starts the ``t``-th
+    chunk of ``dp * max_tokens`` tokens of that order, the costlier samples (more than ``t - 1``
+    steps' worth of tokens) would all fit in ``t - 1`` steps. Costs must grow with length.
+    """
+    tokens = _tokens_and_cap(lengths, max_tokens)
+    costs = workload_costs(tokens, workload)
+    n = len(costs)
+    if n == 0:
+        return 0.0, 0.0
+    perfect = float(costs.sum()) / dp
+    by_cost = np.lexsort((-tokens, -costs))
+    sorted_costs = costs[by_cost]
+    per_rank = n // dp
+    rank_bound = float(sorted_costs[0] + np.sort(sorted_costs[1:])[: per_rank - 1].sum())
+    prefix = np.cumsum(tokens[by_cost])
+    step_capacity = dp * max_tokens
+    # Sample s starts chunk t+1 when prefix[s] > t * capacity >= prefix[s-1].
+    chunk = np.maximum(prefix - 1, 0) // step_capacity
+    starts = np.flatnonzero(np.diff(np.concatenate([[-1], chunk])) > 0)
+    step_bound = float(sorted_costs[starts].sum())
+    return perfect, max(perfect, rank_bound, step_bound)
+
+
+def _align_and_refine(costs: list[np.ndarray], tokens: list[np.ndarray], plan: list[list[np.ndarray]],
+                      max_tokens: int) -> list[list[np.ndarray]]:
+    """Each rank's micro-batches sorted by decreasing cost (aligns the j-th heaviest of every rank,
+    which never raises the lockstep cost), lockstep exchanges, then steps by decreasing cost."""
+    plan = [sorted(rank, key=lambda mb, c=c: (-float(c[mb].sum()), int(mb.min()))) for c, rank in zip(costs, plan)]
+    plan = refine_lockstep(costs, tokens, plan, max_tokens)
+    step_cost = np.array([[c[mb].sum() for mb in rank] for c, rank in zip(costs, plan)]).max(axis=0)
+    steps = sorted(range(len(plan[0])), key=lambda j: -step_cost[j])
+    return [[rank[j] for j in steps] for rank in plan]
+
+
+def _kk_micro(tokens: list[np.ndarray], max_tokens: int) -> list[list[np.ndarray]] | None:
+    """Per-rank Karmarkar-Karp on ``"verl"`` costs, the count grown until every rank fits the cap."""
+    k = max(min(len(t), math.ceil(int(t.sum()) / max_tokens)) for t in tokens)
+    verl_costs = [workload_costs(t, "verl") for t in tokens]
+    fewest = min(len(t) for t in tokens)
+    heaviest_first = sorted(range(len(tokens)), key=lambda r: -int(tokens[r].sum()))
+    for k in range(max(k, 1), min(fewest, k + _KK_MAX_GROWTH) + 1):
+        plan: list = [None] * len(tokens)
+        for r in heaviest_first:  # the heaviest rank is the likeliest to break the cap: stop early
+            rank = [np.asarray(p, dtype=np.int64) for p in karmarkar_karp(verl_costs[r], k)]
+            if not all(len(mb) and tokens[r][mb].sum() <= max_tokens for mb in rank):
+                break
+            plan[r] = rank
+        else:
+            return plan
+    return None
+
+
+def _candidate_partitions(tokens: np.ndarray, dp: int, workload: Workload, group_ids: Any, alternatives: bool):
+    yield "joint", balance_batch(tokens, dp, workload=workload, group_ids=group_ids).partitions
+    if not alternatives:
+        return
+    if group_ids is None:
+        parts = karmarkar_karp(workload_costs(tokens, "verl"), dp, equal_size=True)
+        yield "kk_verl_dp", [np.asarray(p, dtype=np.int64) for p in parts]
+    elif workload != "verl":
+        yield "kk_verl_dp", balance_batch(tokens, dp, workload="verl", group_ids=group_ids).partitions
+
+
+def plan_step(
+    lengths: Sequence[int] | np.ndarray,
+    dp: int,
+    max_tokens: int,
+    workload: Workload = "tokens",
+    group_ids: Sequence[Any] | np.ndarray | None = None,
+) -> StepPlan:
+    """Plan one mini-batch for ``dp`` ranks: equal sample counts, equal micro-batch counts, every
+    micro-batch non-empty and within ``max_tokens`` tokens, lowest lockstep cost of the candidates.
+
+    ``lengths``: prompt + response tokens per sample; ``workload``: the cost model; ``group_ids``:
+    samples sharing an id (a GRPO prompt's responses) stay on one rank. Deterministic.
+    """
+    tokens = _tokens_and_cap(lengths, max_tokens)
+    n = len(tokens)
+    if isinstance(dp, bool) or not isinstance(dp, (int, np.integer)) or dp < 1:
+        raise ValueError(f"dp must be a positive integer, got {dp!r}")
+    if n == 0 or n % dp:
+        raise ValueError(f"plan_step needs a positive number of samples divisible by dp={dp}, got N={n}")
+    costs = workload_costs(tokens, workload)
+    best: tuple[float, str, list[list[np.ndarray]]] | None = None
+    alternatives = n // dp <= _ALTERNATIVES_MAX_SAMPLES_PER_RANK
+    for name, parts in _candidate_partitions(tokens, dp, workload, group_ids, alternatives):
+        rank_tokens = [tokens[p] for p in parts]
+        rank_costs = [costs[p] for p in parts]
+        local_plans = {name: plan_joint_micro_batches(rank_tokens, max_tokens, workload=workload)}
+        kk = _kk_micro(rank_tokens, max_tokens) if alternatives else None
+        if kk is not None:
+            local_plans[f"{name}_kk_micro"] = _align_and_refine(rank_costs, rank_tokens, kk, max_tokens)
+        for cand, local in local_plans.items():
+            cost = lockstep_cost([[float(c[mb].sum()) for mb in rank] for c, rank in zip(rank_costs, local)])
+            if best is None or cost < best[0]:
+                best = (cost, cand, [[np.asarray(p)[mb] for mb in rank] for p, rank in zip(parts, local)])
+    assert best is not None
+    cost, cand, micro = best
+    for rank in micro:
+        assert all(tokens[mb].sum() <= max_tokens and len(mb) for mb in rank), "plan broke the cap"
+    validate_partition([mb for rank in micro for mb in rank], n)
+    perfect, attainable = lockstep_lower_bounds(tokens, dp, max_tokens, workload)
+    return StepPlan(micro_batches=micro, lockstep_cost=cost, lower_bound=perfect,
+                    attainable_lower_bound=attainable, candidate=cand)
