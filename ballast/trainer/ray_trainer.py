@@ -39,15 +39,13 @@ from ballast.protocol import METRICS_KEY, Batch
 from ballast.trainer.algorithms import get_adv_estimator, kl_penalty, make_kl_controller, masked_mean
 from ballast.trainer.algorithms.policy_loss import actor_constant_metrics
 from ballast.trainer.builders import actor_loss_config
-from ballast.trainer.charts import per_rank_tokens, save_balance_chart
+from ballast.trainer.charts import per_rank_tokens
 from ballast.trainer.checkpointing import CheckpointManager, rng_state, set_rng_state
 from ballast.trainer.config import BallastConfig, DerivedSizes
 from ballast.trainer.data_setup import RunData
 from ballast.trainer.dynamic_sampling import count_groups, filter_metric_values, informative_groups, sampling_metrics
 from ballast.trainer.metrics import data_metrics, rollout_probs_diff_metrics, throughput_metrics, timing_metrics
-from ballast.trainer.monitor import (
-    DynamicBatchVisualizer, balancer_line, micro_batch_metrics, monitor_lines, rank_load_metrics, should_report,
-)
+from ballast.trainer.monitor import BalanceMonitor, micro_batch_metrics, rank_load_metrics
 from ballast.trainer.step_plans import plan_update
 from ballast.workers.actor_rollout_ref import UPDATE_WEIGHTS_METRIC
 from ballast.workers.rollout.base import validation_call_index
@@ -86,12 +84,8 @@ class RayPPOTrainer:
         self._nonfinite_in_a_row = 0
         self._pending_metrics: Dict[str, float] = {}  # measured after a step's row was logged
         self._weight_sync_s = 0.0
-        self._step_view: Dict[str, object] = {}  # what the monitor needs from the current step
-        self.visualizer = None
-        if cfg.trainer.enable_monitor:
-            self.visualizer = DynamicBatchVisualizer(
-                os.path.join(tracker.run_dir, "dynamic_batch_plots"), plot_interval=cfg.trainer.monitor_interval,
-                token_budget=sizes.actor.train.micro_token_budget)
+        self.monitor = BalanceMonitor(tracker, self.total_steps, cfg.trainer.enable_monitor,
+                                      cfg.trainer.monitor_interval, sizes.actor.train.micro_token_budget)
         self._resumed_from: Optional[str] = None
         self._resume_checked = False
 
@@ -144,7 +138,7 @@ class RayPPOTrainer:
         with _timer(timing, "step"):
             batch = self.generate_and_score(prompts, step, timing, metrics)
             with _timer(timing, "balance"):
-                metrics.update(self.balance(batch, step))
+                metrics.update(self.balance(batch))
             with _timer(timing, "old_log_prob"):
                 metrics.update(self.compute_old_log_probs(batch))
             if self.sizes.use_reference:
@@ -165,7 +159,7 @@ class RayPPOTrainer:
                 with _timer(timing, "update_actor"):
                     metrics.update(self.update_actor(batch))
         metrics.update(data_metrics(batch, self.cfg.data.max_response_length, self.sizes.use_critic))
-        self.report_monitor(step)
+        self.monitor.report(step)
         metrics.update(timing_metrics(batch, timing))
         metrics.update(rollout_probs_diff_metrics(batch))
         metrics.update(throughput_metrics(batch, timing["step"], self.workers.world_size))
@@ -229,7 +223,7 @@ class RayPPOTrainer:
         batch["token_level_scores"] = scores
         return extras
 
-    def balance(self, batch: Batch, step: int) -> Dict[str, float]:
+    def balance(self, batch: Batch) -> Dict[str, float]:
         """Reorder so that the contiguous dp split gives every rank a similar workload (in place)."""
         lengths = batch["attention_mask"].sum(-1).numpy()
         dp = self.sizes.actor.dp_size
@@ -254,10 +248,7 @@ class RayPPOTrainer:
         if not self.cfg.trainer.balance_batch:
             balanced = raw
         metrics.update(rank_load_metrics(raw, balanced))
-        self._step_view = {"lengths": lengths, "raw": raw, "balanced": balanced, "dp": dp}
-        if step == 1 or step % 10 == 0 or step == self.total_steps:
-            path = os.path.join(self.tracker.run_dir, "charts", f"balance_step_{step}.png")
-            self.tracker.log_images({"balance/per_rank_tokens": save_balance_chart(path, raw, balanced, step)}, step)
+        self.monitor.record_balance(lengths, raw, balanced, dp)
         return metrics
 
     def compute_old_log_probs(self, batch: Batch) -> Dict[str, float]:
@@ -316,7 +307,7 @@ class RayPPOTrainer:
         metrics.update(plan_metrics)
         metrics.update(actor_constant_metrics(self.actor_loss_cfg))
         micro_tokens = metrics.pop(MICRO_TOKENS_KEY, [])
-        self._step_view["micro_tokens"] = micro_tokens
+        self.monitor.record_micro_tokens(micro_tokens)
         metrics.update(micro_batch_metrics(micro_tokens))
         if metrics.get("actor/step_skipped", 0.0) >= 1.0:
             self._nonfinite_in_a_row += 1
@@ -330,21 +321,6 @@ class RayPPOTrainer:
             self._nonfinite_in_a_row = 0
         metrics["perf/num_micro_batches"] = metrics.pop("actor/num_micro_batches", float("nan"))
         return metrics
-
-    def report_monitor(self, step: int) -> None:
-        """The tuning guide's monitor lines and plots (trainer.enable_monitor), at step 1 and every interval."""
-        view = self._step_view
-        if self.visualizer is None or not view:
-            return
-        micro = view.get("micro_tokens", [])
-        self.visualizer.record(step, micro, view["lengths"], view["raw"], view["balanced"])
-        if should_report(step, self.cfg.trainer.monitor_interval):
-            samples = [len(view["lengths"]) // view["dp"]] * view["dp"]
-            for line in monitor_lines(micro) + [balancer_line(samples, view["balanced"])]:
-                self.tracker.console(line)
-            images = self.visualizer.maybe_plot(step)
-            if images:
-                self.tracker.log_images({f"dynamic_batch/{k}": v for k, v in images.items()}, step)
 
     def validate(self) -> Dict[str, float]:
         """Answer every validation prompt `val_kwargs.n` times; verl's val-core/val-aux metrics per data
