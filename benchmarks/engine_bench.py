@@ -37,6 +37,9 @@ import time
 
 import numpy as np
 
+# The synthetic batch builder is the engine tests' (tests/testkit), kept out of the installed package.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+
 
 def lognormal_lengths(num_samples: int, median_tokens: int, sigma: float, max_tokens: int, seed: int):
     """(prompt_lens, response_lens): log-normal totals with max/median >= 8, prompts 10-30%."""
@@ -65,7 +68,7 @@ def run_mode(args) -> dict:
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
     from ballast.engine import EngineConfig, MicroBatchSpec, OptimConfig, TrainEngine, agg_loss
-    from ballast.engine.testing import make_rl_batch
+    from testkit.engine import make_rl_batch
     from ballast.models import tiny_model_dir
 
     def loss_fn(outputs, micro, norm):

@@ -12,6 +12,10 @@ prints {"vllm_tokens_per_s", "hf_tokens_per_s", "ratio" (vllm / hf), ...settings
 from __future__ import annotations
 
 import os
+import sys
+
+# The rollout tests' model builder lives in tests/testkit, outside the installed package.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 # Before torch/vllm are imported: one thread, in-process engine, caches kept inside the run.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -95,7 +99,7 @@ def main() -> None:
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     from ballast.workers.rollout import RolloutConfig, SamplingConfig, build_backend
-    from ballast.workers.rollout.tiny_model import build_tiny_qwen2
+    from testkit.models import build_tiny_qwen2
 
     with tempfile.TemporaryDirectory() as tmp:
         if args.model_dir:

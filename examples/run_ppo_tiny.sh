@@ -10,7 +10,7 @@ bash scripts/setup.sh
 source .venv/bin/activate
 export OMP_NUM_THREADS=1 RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 WANDB_MODE="${WANDB_MODE:-offline}"
 QS=.cache/quickstart
-[[ -f "$QS/model/config.json" ]] || python -m ballast.models.tiny --out "$QS/model"
+[[ -f "$QS/model/config.json" ]] || python -m ballast.models --out "$QS/model"
 [[ -f "$QS/data/train.parquet" ]] || python examples/data/make_synthetic.py --out "$QS/data" --train-size 2048 \
   --val-size 64 --k-median 8 --k-max 60 --symbols '#'
 python -m ballast.trainer.main --config-name quickstart \

@@ -67,7 +67,7 @@ record "pytest -m gpu" "$([[ $rc -eq 0 ]] && echo PASS || echo "FAIL($rc)")" $((
 start=$SECONDS
 RUN="$OUT/grpo"
 {
-  "$PY" -m ballast.models.tiny --out "$OUT/model" --preset tiny --seed 0 &&
+  "$PY" -m ballast.models --out "$OUT/model" --preset tiny --seed 0 &&
   "$PY" examples/data/make_synthetic.py --out "$OUT/data" --train-size 64 --val-size 8 &&
   timeout "$GRPO_S" "$PY" -m ballast.trainer.main \
     "actor_rollout_ref.model.path=$OUT/model" "data.train_files=$OUT/data/train.parquet" \

@@ -15,7 +15,7 @@ export BALLAST_CACHE_DIR="$ROOT/.cache" VLLM_CACHE_ROOT="$ROOT/.cache/vllm" TORC
 QS=.cache/quickstart
 if [[ ! -f "$QS/model/config.json" ]]; then
   echo "[quickstart] building the tiny Qwen2 model and tokenizer in $QS/model"
-  python -m ballast.models.tiny --out "$QS/model" --preset tiny --seed 0
+  python -m ballast.models --out "$QS/model" --preset tiny --seed 0
 fi
 if [[ ! -f "$QS/data/train.parquet" ]]; then
   echo "[quickstart] writing the synthetic repeat task to $QS/data"

@@ -2,7 +2,7 @@
 
 `ATTN_IMPLEMENTATION` is registered in BOTH `AttentionInterface` (the attention itself) and
 `AttentionMaskInterface` (the mask builder). Registering only the former makes transformers hand
-`attention_mask=None` to the function, silently dropping padding masks (see ENVIRONMENT.md).
+`attention_mask=None` to the function, silently dropping padding masks (docs/engine.md, "transformers and torch on CPU").
 
 Paths, chosen per call:
 

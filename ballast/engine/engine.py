@@ -102,12 +102,14 @@ class TrainEngine:
         self.scheduler = build_scheduler(self.optimizer, cfg.optim) if cfg.trainable else None
         self.global_step = 0
         self.skipped_steps = 0
-        self._last_micro_tokens: list[int] = []
         # Real tokens of each micro-batch of the last forward_backward_batch, one list per DP rank.
         self.last_micro_batch_tokens: list[list[int]] = []
 
     # ------------------------------------------------------------------ mini-batch execution
-    def _preflight(self, data: TensorDict, spec: MicroBatchSpec, plan=None) -> tuple[GlobalNorm, MicroBatchPlan]:
+    def _preflight(self, data: TensorDict, spec: MicroBatchSpec,
+                   plan=None) -> tuple[GlobalNorm, MicroBatchPlan, list[int]]:
+        """The DP-global loss normaliser, this rank's micro-batch plan (the central `plan` when given)
+        and each micro-batch's real tokens."""
         error = _check_batch(data)
         group, device = self.parallel.dp_group, self.parallel.device
         given = None
@@ -134,8 +136,7 @@ class TrainEngine:
         else:
             plan = plan_micro_batches(lengths, spec, self.parallel.sp_size, group, device, prompt_lengths,
                                       self.workload)
-        self._last_micro_tokens = [int(lengths[idx].sum()) for idx in plan.micro_indices]
-        return norm, plan
+        return norm, plan, [int(lengths[idx].sum()) for idx in plan.micro_indices]
 
     def _check_sp_peers_agree(self, data: TensorDict) -> None:
         """SP peers must hold identical micro-batches; a cheap fingerprint catches a dispatch bug."""
@@ -188,7 +189,7 @@ class TrainEngine:
         """
         if not forward_only and not self.cfg.trainable:
             raise ValueError(f"role {self.cfg.role!r} has no optimizer; call with forward_only=True")
-        norm, plan = self._preflight(data, spec, plan)
+        norm, plan, micro_tokens = self._preflight(data, spec, plan)
         opts = self._forward_options(temperature, calculate_entropy)
         device = self.parallel.device
         seq_len, response_len = data["input_ids"].shape[1], data["responses"].shape[1]
@@ -211,7 +212,7 @@ class TrainEngine:
             for _ in range(plan.num_dummy):
                 self._run_dummy(seq_len, response_len, opts, backward=not forward_only)
         result, self.last_micro_batch_tokens = self._sum_over_dp(
-            {key: float(value) for key, value in sums.items()}, self._last_micro_tokens)
+            {key: float(value) for key, value in sums.items()}, micro_tokens)
         result.update(
             num_micro_batches=float(plan.num_micro_batches),
             num_dummy_micro_batches=float(plan.num_dummy),
@@ -239,7 +240,7 @@ class TrainEngine:
     ) -> TensorDict:
         """`log_probs` (+`entropy`) for actor/ref, `values` for a critic: (B, R), input row order.
         `plan`: an optional central micro-batch plan, as in `forward_backward_batch`."""
-        _, plan = self._preflight(data, spec, plan)
+        _, plan, _ = self._preflight(data, spec, plan)
         opts = self._forward_options(temperature, calculate_entropy)
         self.model.eval()
         per_key: dict[str, list[torch.Tensor]] = {}

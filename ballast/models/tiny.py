@@ -32,7 +32,7 @@ BUILDER_VERSION = 1
 # 16. "tiny" ties the input and output embeddings like Qwen2.5-0.5B; "small" does not, like the
 # larger Qwen2 models, so the tests (tiny) and the benchmarks (small) exercise both layouts.
 # use_cache stays at the config default (True). Training code must pass use_cache=False: with a
-# cache, transformers silently ignores packed position_ids (ENVIRONMENT.md, remove-padding).
+# cache, transformers silently ignores packed position_ids (docs/engine.md, "transformers and torch on CPU").
 PRESETS: dict[str, dict] = {
     "tiny": dict(
         hidden_size=128,

@@ -3,14 +3,16 @@
 It reads its place in the group from the environment the group set (RANK, WORLD_SIZE,
 BALLAST_NODE_LOCAL_RANK, MASTER_ADDR/PORT), points LOCAL_RANK at its own GPU (see
 `visible_device_index`), pins its thread pools so colocated processes do not oversubscribe the
-cores, and runs every group call through `_ballast_call`, which drops the results of non-collect
-ranks before they are shipped (SP/TP peers would otherwise send the same Batch several times).
+cores, sends its output to a log file when the group names one, and runs every group call through
+`_ballast_call`, which drops the results of non-collect ranks before they are shipped (SP/TP peers
+would otherwise send the same Batch several times).
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from typing import Dict, Optional, Sequence
 
@@ -61,6 +63,25 @@ def _ray_gpu_ids() -> list:
     return list(ray.get_gpu_ids()) if ray.is_initialized() else []
 
 
+# Set by the worker group when the run keeps worker output in files (see `RayWorkerGroup(log_dir=)`).
+LOG_FILE_ENV = "BALLAST_WORKER_LOG_FILE"
+
+
+def redirect_output(path: str) -> None:
+    """Append this process's stdout and stderr to `path`, at the file-descriptor level.
+
+    The fd level matters: the noisy output of a worker (vLLM/Triton warnings, NUMA-binding notices
+    from torch's C++ code, model-loading progress bars) does not all go through `sys.stdout`.
+    """
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
 def _set_threads(num_threads: int) -> None:
     import torch
 
@@ -72,6 +93,8 @@ class Worker:
     """Base class for group workers. Subclasses decorate their public methods with `@register`."""
 
     def __init__(self) -> None:
+        if os.environ.get(LOG_FILE_ENV):
+            redirect_output(os.environ[LOG_FILE_ENV])
         self.rank = int(os.environ.get("RANK", "0"))
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         # The slot on the node (0..bundles-1), for anything per-node; never a device ordinal.

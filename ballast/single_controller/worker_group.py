@@ -25,6 +25,7 @@ from ballast.single_controller.decorator import Dispatch, Execute, Registration,
 from ballast.single_controller.dispatch import concat_results, mesh_layout, split_args
 from ballast.single_controller.errors import WorkerDiedError, WorkerError, WorkerTimeoutError
 from ballast.single_controller.resource_pool import ResourcePool
+from ballast.single_controller.worker import LOG_FILE_ENV
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -61,7 +62,9 @@ class RayWorkerGroup:
     def __init__(self, pool: ResourcePool, worker_cls: type, *, init_args: Sequence = (),
                  init_kwargs: Optional[Dict[str, Any]] = None, name: str = "workers", device_share: float = 1.0,
                  env: Optional[Dict[str, str]] = None, num_threads: Optional[int] = None,
-                 timeout_s: Optional[float] = None) -> None:
+                 timeout_s: Optional[float] = None, log_dir: Optional[str] = None) -> None:
+        """`log_dir`: each worker appends its stdout and stderr to `<log_dir>/<name>_rank<r>.log` (on
+        its own node) instead of Ray's log stream; None leaves the output to Ray."""
         if not 0 < device_share <= 1:
             raise ValueError(f"device_share={device_share} must be in (0, 1]")
         self.name, self.pool, self.worker_cls = name, pool, worker_cls
@@ -81,6 +84,8 @@ class RayWorkerGroup:
                 "LOCAL_WORLD_SIZE": str(len(slot.placement_group.bundle_specs)), "BALLAST_NUM_THREADS": str(threads),
                 "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), **(env or {}),
             }
+            if log_dir is not None:
+                env_vars[LOG_FILE_ENV] = os.path.join(log_dir, f"{name}_rank{slot.rank}.log")
             options = dict(
                 scheduling_strategy=PlacementGroupSchedulingStrategy(slot.placement_group, slot.bundle_index),
                 num_cpus=pool.cpus_per_process * device_share, runtime_env={"env_vars": env_vars},
@@ -222,6 +227,10 @@ class RayWorkerGroup:
             except Exception:  # another ordinary failure: the first one is reported
                 continue
         return None
+
+    def placement(self) -> List[Dict[str, Any]]:
+        """Where each worker runs, in rank order: `ip`, `pid`, `node_id` (and a free `port` on its node)."""
+        return self.execute_all("_ballast_node_info")
 
     def execute_all(self, method: str, *args, **kwargs) -> List[Any]:
         """Call an unregistered worker method on every worker with the same arguments."""

@@ -139,7 +139,7 @@ def run(cfg: BallastConfig, sizes, raw_config: Optional[dict] = None) -> dict:
 
 def record_workers(workers, run_dir: str) -> list:
     """Write where each worker runs (rank, pid, node id, IP) to `<run_dir>/workers.json` and say so."""
-    infos = workers.actor_rollout.execute_all("_ballast_node_info")
+    infos = workers.actor_rollout.placement()
     placed = [{"rank": rank, "pid": info["pid"], "node_id": info["node_id"], "node_ip": info["ip"]}
               for rank, info in enumerate(infos)]
     os.makedirs(run_dir, exist_ok=True)
@@ -159,24 +159,29 @@ def start_ray(cfg: BallastConfig) -> bool:
     Ray's gRPC ports listen on every interface, and without the token anyone who can reach them can
     run code. Tests and the quickstart opt out with RAY_AUTH_MODE=disabled.
     """
+    import logging
     import tempfile
 
     import ray
 
+    from ballast.trainer.tracking import verbose_output
+
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Worker output goes to the run directory's log files unless BALLAST_VERBOSE asks for it here.
+    quiet = dict(log_to_driver=verbose_output(), logging_level=logging.INFO if verbose_output() else logging.WARNING)
     r = cfg.ray_init
     if r.address:
         probe_ray_address(r.address, r.timeout_s)
     if ray.is_initialized():
         return False
     if r.address:
-        ray.init(address=r.address, log_to_driver=True)
+        ray.init(address=r.address, **quiet)
         return True
     world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     num_cpus = r.num_cpus or max(os.cpu_count() or 1, world)
     # address="local": always a fresh instance, even when RAY_ADDRESS is set by a parent process.
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, dashboard_host=r.dashboard_host,
-             _temp_dir=tempfile.mkdtemp(prefix="ray_", dir="/tmp"))
+             _temp_dir=tempfile.mkdtemp(prefix="ray_", dir="/tmp"), **quiet)
     return True
 
 

@@ -11,7 +11,8 @@ the balanced split,
     DeviceMeshBalancer: dp_rank_0 assigned 24 samples (61234 tokens), dp_rank_1 assigned 24 samples ...
 
 The same numbers go to the metrics every step (`perf/micro_batch_tokens/{avg,max,min}`,
-`perf/num_micro_batches`, `balance/rank_{r}/tokens`). The visualizer turns recorded steps into PNGs.
+`perf/num_micro_batches`, `balance/rank_{r}/tokens`). The visualizer turns recorded steps into PNGs;
+`BalanceMonitor` owns what all of this needs from a step and decides when it is drawn.
 """
 
 from __future__ import annotations
@@ -161,3 +162,55 @@ class DynamicBatchVisualizer:
         fig.savefig(path)
         plt.close(fig)
         return path
+
+
+class BalanceMonitor:
+    """What the balance chart and the dynamic-batch monitor need from one training step, and when
+    they are drawn, in one place.
+
+    Within a step the trainer calls `record_balance` (after planning the DP split), then
+    `record_micro_tokens` (after the actor update, if there is one), then `report(step)` once at the
+    end. `report` draws the per-rank balance chart (`charts/balance_step_<k>.png`) at step 1, every
+    `CHART_EVERY` steps and at the last step and, with `trainer.enable_monitor`, logs the monitor
+    lines and plots at step 1 and every `monitor_interval` steps. Each step starts from nothing.
+    """
+
+    CHART_EVERY = 10
+
+    def __init__(self, tracker, total_steps: int, enable_monitor: bool, monitor_interval: int,
+                 token_budget: Optional[int]) -> None:
+        self.tracker, self.total_steps, self.monitor_interval = tracker, total_steps, monitor_interval
+        self.visualizer = None
+        if enable_monitor:
+            self.visualizer = DynamicBatchVisualizer(os.path.join(tracker.run_dir, "dynamic_batch_plots"),
+                                                     plot_interval=monitor_interval, token_budget=token_budget)
+        self._step: Dict[str, object] = {}
+
+    def record_balance(self, lengths: np.ndarray, raw: Sequence[int], balanced: Sequence[int], dp: int) -> None:
+        self._step = {"lengths": lengths, "raw": raw, "balanced": balanced, "dp": dp, "micro_tokens": []}
+
+    def record_micro_tokens(self, tokens_per_rank: Sequence[Sequence[int]]) -> None:
+        if self._step:
+            self._step["micro_tokens"] = tokens_per_rank
+
+    def report(self, step: int) -> None:
+        view, self._step = self._step, {}
+        if not view:
+            return
+        if step == 1 or step % self.CHART_EVERY == 0 or step == self.total_steps:
+            from ballast.trainer.charts import save_balance_chart
+
+            path = os.path.join(self.tracker.run_dir, "charts", f"balance_step_{step}.png")
+            chart = save_balance_chart(path, view["raw"], view["balanced"], step)
+            self.tracker.log_images({"balance/per_rank_tokens": chart}, step)
+        if self.visualizer is None:
+            return
+        micro = view["micro_tokens"]
+        self.visualizer.record(step, micro, view["lengths"], view["raw"], view["balanced"])
+        if should_report(step, self.monitor_interval):
+            samples = [len(view["lengths"]) // view["dp"]] * view["dp"]
+            for line in monitor_lines(micro) + [balancer_line(samples, view["balanced"])]:
+                self.tracker.console(line)
+            images = self.visualizer.maybe_plot(step)
+            if images:
+                self.tracker.log_images({f"dynamic_batch/{k}": v for k, v in images.items()}, step)

@@ -4,6 +4,24 @@
     -> old log-probs -> ref log-probs -> values -> advantages -> update critic -> update actor
 
 Workers do the heavy lifting; everything here is light driver-side math on the Batch.
+
+What this driver leaves out of verl's `RayPPOTrainer.fit`, and why:
+
+1. One layout. Actor, rollout and reference live in one colocated worker group on one resource
+   pool (the critic shares its devices); no per-role pools, no standalone rollout servers. Weight
+   sync then stays inside each worker process, and placement needs no configuration.
+2. Synchronous rollout. A step generates with the current weights and trains on exactly
+   train_batch_size x n samples (dynamic sampling, `algorithm.filter_groups`, draws more batches
+   until that many are kept): no async agent loop, multi-turn tools or partial rollouts. Every
+   per-rank size is known at start-up (`DerivedSizes`), so a bad combination fails before any
+   worker starts.
+3. Rule rewards on the driver. No reward-model worker and no ReMax baseline generation: each is a
+   branch of verl's loop that Ballast's batch-path guarantees would have to be re-proven for.
+4. Old log-probs come from the actor, never from the rollout engine (verl's bypass mode). The
+   rollout's own log-probs, when requested, only feed a metric that checks weight sync
+   (`training/rollout_actor_log_prob_diff`).
+5. No profiler hooks, rollout dumps or preemption handling in the loop: checkpoints at `save_freq`
+   and at the last step, and `resume_mode=auto`, cover restarts.
 """
 
 from __future__ import annotations
@@ -21,22 +39,20 @@ from ballast.protocol import METRICS_KEY, Batch
 from ballast.trainer.algorithms import get_adv_estimator, kl_penalty, make_kl_controller, masked_mean
 from ballast.trainer.algorithms.policy_loss import actor_constant_metrics
 from ballast.trainer.builders import actor_loss_config
-from ballast.trainer.charts import per_rank_tokens, save_balance_chart
+from ballast.trainer.charts import per_rank_tokens
 from ballast.trainer.checkpointing import CheckpointManager, rng_state, set_rng_state
 from ballast.trainer.config import BallastConfig, DerivedSizes
 from ballast.trainer.data_setup import RunData
 from ballast.trainer.dynamic_sampling import count_groups, filter_metric_values, informative_groups, sampling_metrics
 from ballast.trainer.metrics import data_metrics, rollout_probs_diff_metrics, throughput_metrics, timing_metrics
-from ballast.trainer.monitor import (
-    DynamicBatchVisualizer, balancer_line, micro_batch_metrics, monitor_lines, rank_load_metrics, should_report,
-)
+from ballast.trainer.monitor import BalanceMonitor, micro_batch_metrics, rank_load_metrics
 from ballast.trainer.step_plans import plan_update
 from ballast.workers.actor_rollout_ref import UPDATE_WEIGHTS_METRIC
 from ballast.workers.rollout.base import validation_call_index
 from ballast.workers.train_loop import LOG_PROB_PLAN_KEY, MICRO_TOKENS_KEY, MINI_BATCH_PLANS_KEY
 from ballast.trainer.reward import RewardManager
 from ballast.trainer.roles import Workers
-from ballast.trainer.tracking import Tracker
+from ballast.trainer.tracking import Tracker, format_validation, progress_postfix
 from ballast.trainer.val_metrics import validation_metrics
 
 
@@ -68,12 +84,8 @@ class RayPPOTrainer:
         self._nonfinite_in_a_row = 0
         self._pending_metrics: Dict[str, float] = {}  # measured after a step's row was logged
         self._weight_sync_s = 0.0
-        self._step_view: Dict[str, object] = {}  # what the monitor needs from the current step
-        self.visualizer = None
-        if cfg.trainer.enable_monitor:
-            self.visualizer = DynamicBatchVisualizer(
-                os.path.join(tracker.run_dir, "dynamic_batch_plots"), plot_interval=cfg.trainer.monitor_interval,
-                token_budget=sizes.actor.train.micro_token_budget)
+        self.monitor = BalanceMonitor(tracker, self.total_steps, cfg.trainer.enable_monitor,
+                                      cfg.trainer.monitor_interval, sizes.actor.train.micro_token_budget)
         self._resumed_from: Optional[str] = None
         self._resume_checked = False
 
@@ -88,7 +100,9 @@ class RayPPOTrainer:
             self.tracker.log(metrics, step=self.global_step)
             return metrics
         if t.val_before_train and self.data.val is not None and self.global_step == 0:
-            self.tracker.log(self.validate(), step=0)
+            val = self.validate()
+            self.tracker.console(format_validation(val, 0))
+            self.tracker.log(val, step=0)
         bar = tqdm(total=self.total_steps, initial=self.global_step, desc="training", unit="step", dynamic_ncols=True)
         try:
             while self.global_step < self.total_steps:
@@ -102,6 +116,7 @@ class RayPPOTrainer:
                     with _timer(timing, "testing"):
                         metrics.update(self.validate())
                     metrics["timing_s/testing"] = timing["testing"]
+                    self.tracker.console(format_validation(metrics, step))
                 # Log before saving: a crash during the save then loses no metrics row (a resume
                 # drops the rows after its checkpoint and produces them again).
                 self.tracker.log(metrics, step=step)
@@ -110,9 +125,8 @@ class RayPPOTrainer:
                     self.save_checkpoint()
                     # logged with the next step's row: this one is already written (see above)
                     self._pending_metrics["timing_s/save_checkpoint"] = time.perf_counter() - start
+                bar.set_postfix(progress_postfix(metrics), refresh=False)
                 bar.update(1)
-                bar.set_postfix({k.split("/")[-2] if k.endswith("mean") else k.split("/")[-1]: f"{metrics[k]:.3f}"
-                                 for k in ("critic/score/mean", "actor/pg_loss") if k in metrics})
                 last = metrics
         finally:
             bar.close()
@@ -124,7 +138,7 @@ class RayPPOTrainer:
         with _timer(timing, "step"):
             batch = self.generate_and_score(prompts, step, timing, metrics)
             with _timer(timing, "balance"):
-                metrics.update(self.balance(batch, step))
+                metrics.update(self.balance(batch))
             with _timer(timing, "old_log_prob"):
                 metrics.update(self.compute_old_log_probs(batch))
             if self.sizes.use_reference:
@@ -145,7 +159,7 @@ class RayPPOTrainer:
                 with _timer(timing, "update_actor"):
                     metrics.update(self.update_actor(batch))
         metrics.update(data_metrics(batch, self.cfg.data.max_response_length, self.sizes.use_critic))
-        self.report_monitor(step)
+        self.monitor.report(step)
         metrics.update(timing_metrics(batch, timing))
         metrics.update(rollout_probs_diff_metrics(batch))
         metrics.update(throughput_metrics(batch, timing["step"], self.workers.world_size))
@@ -209,7 +223,7 @@ class RayPPOTrainer:
         batch["token_level_scores"] = scores
         return extras
 
-    def balance(self, batch: Batch, step: int) -> Dict[str, float]:
+    def balance(self, batch: Batch) -> Dict[str, float]:
         """Reorder so that the contiguous dp split gives every rank a similar workload (in place)."""
         lengths = batch["attention_mask"].sum(-1).numpy()
         dp = self.sizes.actor.dp_size
@@ -234,10 +248,7 @@ class RayPPOTrainer:
         if not self.cfg.trainer.balance_batch:
             balanced = raw
         metrics.update(rank_load_metrics(raw, balanced))
-        self._step_view = {"lengths": lengths, "raw": raw, "balanced": balanced, "dp": dp}
-        if step == 1 or step % 10 == 0 or step == self.total_steps:
-            path = os.path.join(self.tracker.run_dir, "charts", f"balance_step_{step}.png")
-            self.tracker.log_images({"balance/per_rank_tokens": save_balance_chart(path, raw, balanced, step)}, step)
+        self.monitor.record_balance(lengths, raw, balanced, dp)
         return metrics
 
     def compute_old_log_probs(self, batch: Batch) -> Dict[str, float]:
@@ -296,7 +307,7 @@ class RayPPOTrainer:
         metrics.update(plan_metrics)
         metrics.update(actor_constant_metrics(self.actor_loss_cfg))
         micro_tokens = metrics.pop(MICRO_TOKENS_KEY, [])
-        self._step_view["micro_tokens"] = micro_tokens
+        self.monitor.record_micro_tokens(micro_tokens)
         metrics.update(micro_batch_metrics(micro_tokens))
         if metrics.get("actor/step_skipped", 0.0) >= 1.0:
             self._nonfinite_in_a_row += 1
@@ -310,21 +321,6 @@ class RayPPOTrainer:
             self._nonfinite_in_a_row = 0
         metrics["perf/num_micro_batches"] = metrics.pop("actor/num_micro_batches", float("nan"))
         return metrics
-
-    def report_monitor(self, step: int) -> None:
-        """The tuning guide's monitor lines and plots (trainer.enable_monitor), at step 1 and every interval."""
-        view = self._step_view
-        if self.visualizer is None or not view:
-            return
-        micro = view.get("micro_tokens", [])
-        self.visualizer.record(step, micro, view["lengths"], view["raw"], view["balanced"])
-        if should_report(step, self.cfg.trainer.monitor_interval):
-            samples = [len(view["lengths"]) // view["dp"]] * view["dp"]
-            for line in monitor_lines(micro) + [balancer_line(samples, view["balanced"])]:
-                self.tracker.console(line)
-            images = self.visualizer.maybe_plot(step)
-            if images:
-                self.tracker.log_images({f"dynamic_batch/{k}": v for k, v in images.items()}, step)
 
     def validate(self) -> Dict[str, float]:
         """Answer every validation prompt `val_kwargs.n` times; verl's val-core/val-aux metrics per data

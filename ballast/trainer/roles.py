@@ -10,6 +10,7 @@ from typing import Optional
 from ballast.single_controller import RayWorkerGroup, ResourcePool
 from ballast.trainer.builders import actor_rollout_ref_spec, critic_spec
 from ballast.trainer.config import BallastConfig, DerivedSizes
+from ballast.trainer.tracking import worker_log_dir
 from ballast.workers.actor_rollout_ref import ActorRolloutRefWorker
 from ballast.workers.critic import CriticWorker
 
@@ -58,12 +59,14 @@ def create_workers(cfg: BallastConfig, sizes: DerivedSizes, total_steps: int) ->
                         name=f"ballast_{os.getpid()}", ready_timeout_s=cfg.ray_init.timeout_s)
     share = 0.5 if sizes.use_critic else 1.0
     env = worker_env()
+    logs = worker_log_dir(t.default_local_dir)
     actor = RayWorkerGroup(pool, ActorRolloutRefWorker, init_args=(actor_rollout_ref_spec(cfg, sizes, total_steps),),
-                           name="actor_rollout_ref", device_share=share, env=env, timeout_s=t.worker_timeout_s)
+                           name="actor_rollout_ref", device_share=share, env=env, timeout_s=t.worker_timeout_s,
+                           log_dir=logs)
     critic = None
     if sizes.use_critic:
         critic = RayWorkerGroup(pool, CriticWorker, init_args=(critic_spec(cfg, sizes, total_steps),), name="critic",
-                                device_share=share, env=env, timeout_s=t.worker_timeout_s)
+                                device_share=share, env=env, timeout_s=t.worker_timeout_s, log_dir=logs)
     workers = Workers(pool, actor, critic)
     # Each group forms its own torch.distributed world; initialise them one after the other.
     actor.init_model()

@@ -1,4 +1,5 @@
-"""Experiment tracking: console, wandb, tensorboard and a jsonl file, behind one `log(metrics, step)`.
+"""Experiment tracking: console, wandb, tensorboard and a jsonl file, behind one `log(metrics, step)`;
+what the terminal shows (progress-bar numbers, validation lines) and how much of it.
 
 wandb runs offline automatically when no API key is configured (no WANDB_API_KEY and no netrc entry),
 so a run never blocks on a login prompt; the config is logged with anything that looks like a secret
@@ -27,6 +28,21 @@ def redact(value):
     if isinstance(value, list):
         return [redact(v) for v in value]
     return value
+
+
+# Set to 1 to stream every worker's output (vLLM, Triton, torch warnings, Ray notices) to the
+# terminal; by default it goes to `<default_local_dir>/logs/<group>_rank<r>.log`.
+VERBOSE_ENV = "BALLAST_VERBOSE"
+WORKER_LOG_SUBDIR = "logs"
+
+
+def verbose_output() -> bool:
+    return os.environ.get(VERBOSE_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def worker_log_dir(run_dir: str) -> Optional[str]:
+    """Where workers write their output, or None when it streams to the terminal (BALLAST_VERBOSE)."""
+    return None if verbose_output() else os.path.join(run_dir, WORKER_LOG_SUBDIR)
 
 
 def _wandb_has_key() -> bool:
@@ -119,6 +135,25 @@ CONSOLE_KEYS: List[str] = [
     "critic/score/mean", "val/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "critic/vf_loss",
     "response_length/mean", "global_seqlen/balanced_imbalance", "perf/num_micro_batches", "timing_s/step",
 ]
+
+
+# The progress bar's numbers: (metric, short name).
+PROGRESS_KEYS = [("critic/score/mean", "score"), ("actor/pg_loss", "pg_loss"), ("response_length/mean", "resp_len")]
+
+
+def progress_postfix(metrics: Dict[str, float]) -> Dict[str, str]:
+    return {short: f"{metrics[key]:.3g}" for key, short in PROGRESS_KEYS if key in metrics}
+
+
+def format_validation(metrics: Dict[str, float], step: int) -> str:
+    """One line per validation: the mean score, then each data source's when there are several."""
+    scores = {k[len("val/score/"):]: v for k, v in metrics.items() if k.startswith("val/score/") and k != "val/score/mean"}
+    parts = [f"validation at step {step}: score {metrics['val/score/mean']:.3f}"]
+    if len(scores) > 1:
+        parts.append(", ".join(f"{src} {v:.3f}" for src, v in sorted(scores.items())))
+    if "val/response_length/mean" in metrics:
+        parts.append(f"response length {metrics['val/response_length/mean']:.1f}")
+    return " | ".join(parts)
 
 
 def format_console(metrics: Dict[str, float], step: int) -> str:

@@ -1,7 +1,7 @@
 """The colocated actor / rollout / reference worker: one process per device, holding the roles its
 spec names, over one torch.distributed world.
 
-Creation order matters (see shared ENVIRONMENT notes and `rollout/vllm_backend.py`): the process group
+Creation order matters (see `rollout/vllm_backend.py` and docs/rollout.md): the process group
 and the FSDP engines come first, then the vLLM engine, which builds its own groups on that world and
 must be kept for the process's life. Data arrives per role mesh: "actor" and "ref" are (dp, sp)
 meshes of their engines (SP peers get the same chunk, sp rank 0 answers); generation uses

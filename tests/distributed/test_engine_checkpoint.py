@@ -17,7 +17,7 @@ import torch.distributed as dist
 import transformers
 
 from ballast.engine import EngineConfig, MicroBatchSpec, OptimConfig, TrainEngine, agg_loss
-from ballast.engine.testing import make_rl_batch, spawn_ranks
+from testkit.engine import make_rl_batch, spawn_ranks
 
 # Progress bars start tqdm's monitor thread; without it the ranks can be forked (fast).
 transformers.utils.logging.disable_progress_bar()

@@ -15,7 +15,8 @@ import torch
 
 from ballast.engine import EngineConfig, MicroBatchSpec, TrainEngine, agg_loss
 from ballast.engine.attention import flash_attn_varlen, varlen_causal_attention
-from ballast.engine.testing import build_tiny_causal_lm, make_rl_batch, reference_log_probs, spawn_ranks
+from testkit.engine import make_rl_batch, reference_log_probs, spawn_ranks
+from testkit.models import build_tiny_causal_lm
 
 pytestmark = [
     pytest.mark.gpu,

@@ -23,7 +23,8 @@ import transformers
 from ballast.engine import EngineConfig, GlobalNorm, MicroBatchSpec, TrainEngine, agg_loss
 from ballast.engine.forward import ForwardOptions, forward_micro_batch
 from ballast.engine.model import load_model
-from ballast.engine.testing import build_tiny_causal_lm, make_rl_batch, reference_log_probs, spawn_ranks
+from testkit.engine import make_rl_batch, reference_log_probs, spawn_ranks
+from testkit.models import build_tiny_causal_lm
 
 # Progress bars start tqdm's monitor thread; without it the ranks can be forked (fast).
 transformers.utils.logging.disable_progress_bar()
@@ -148,6 +149,7 @@ def _uneven_worker(rank, world, root, model_dir):
         report[f"{name}/loss"] = (metrics["loss"], refs["union"][0])
         report[f"{name}/grad"] = _max_rel_grad_diff(engine, refs["union"][1])
         report[f"{name}/num_dummy"] = metrics["num_dummy_micro_batches"]
+        report[f"{name}/micro_tokens"] = engine.last_micro_batch_tokens
         engine.zero_grad()
     # a DP rank with no samples at all
     empty = short[:0]
@@ -210,6 +212,13 @@ def test_uneven_dp_ranks_finish_and_keep_the_gradient_and_ulysses_outputs_exact(
     assert reports[0]["dynamic/num_dummy"] == reports[1]["dynamic/num_dummy"] == 0
     assert reports[2]["dynamic/num_dummy"] > 0 and reports[2]["dynamic/num_dummy"] == reports[3]["dynamic/num_dummy"]
     assert reports[2]["static-1/num_dummy"] == 6
+    # Every DP rank's real tokens per micro-batch, the same lists on every rank (dummies hold none).
+    per_dp = [sum(LONG[0]) + sum(LONG[1]), sum(SHORT[0]) + sum(SHORT[1])]
+    for spec in ("dynamic", "static-1"):
+        tokens = reports[0][f"{spec}/micro_tokens"]
+        assert all(r[f"{spec}/micro_tokens"] == tokens for r in reports)
+        assert [sum(t) for t in tokens] == per_dp
+    assert reports[0]["static-1/micro_tokens"][1] == [SHORT[0][0] + SHORT[1][0], SHORT[0][1] + SHORT[1][1]]
     assert [r["infer/empty_rows"] for r in reports] == [8, 8, 0, 0]
 
 

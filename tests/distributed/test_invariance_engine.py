@@ -26,7 +26,8 @@ import transformers
 from ballast.balance import plan_step
 from ballast.engine import EngineConfig, MicroBatchSpec, TrainEngine
 from ballast.engine.losses import LOSS_AGG_MODES, agg_loss
-from ballast.engine.testing import build_tiny_causal_lm, make_rl_batch, reference_log_probs, spawn_ranks
+from testkit.engine import make_rl_batch, reference_log_probs, spawn_ranks
+from testkit.models import build_tiny_causal_lm
 
 # Progress bars start tqdm's monitor thread; without it the ranks can be forked (fast).
 transformers.utils.logging.disable_progress_bar()

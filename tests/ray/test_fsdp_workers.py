@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ballast.engine import EngineConfig, MicroBatchSpec, OptimConfig, TrainEngine
-from ballast.engine.testing import make_rl_batch
+from testkit.engine import make_rl_batch
 from ballast.protocol import Batch
 from ballast.single_controller import RayWorkerGroup, ResourcePool
 from ballast.trainer.step_plans import plan_update

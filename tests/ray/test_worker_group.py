@@ -28,10 +28,16 @@ def echo(cpu_pool):
 
 
 @pytest.fixture(scope="module")
-def consumer(cpu_pool, echo):
+def consumer_logs(tmp_path_factory):
+    return tmp_path_factory.mktemp("consumer_logs")
+
+
+@pytest.fixture(scope="module")
+def consumer(cpu_pool, echo, consumer_logs):
     from toy_workers import ConsumerWorker
 
-    group = RayWorkerGroup(cpu_pool, ConsumerWorker, name="consumer", device_share=0.5, timeout_s=120)
+    group = RayWorkerGroup(cpu_pool, ConsumerWorker, name="consumer", device_share=0.5, timeout_s=120,
+                           log_dir=str(consumer_logs))
     yield group
     group.kill()
 
@@ -43,6 +49,8 @@ def test_group_layout_env_and_one_to_all(echo):
     assert len({i["master"] for i in infos}) == 1 and infos[0]["master"][1] == str(echo.master_port)
     assert len({i["pid"] for i in infos}) == 4
     assert all(i["threads"] == 1 for i in infos)  # pinned so 2 cores are not oversubscribed
+    placed = echo.placement()
+    assert [p["pid"] for p in placed] == [i["pid"] for i in infos] and all(p["node_id"] and p["ip"] for p in placed)
     assert echo.only_rank_zero("x") == (0, "x")
     assert echo.scale([1, 1, 2, 2]) == [1, 2, 6, 8]
     with pytest.raises(ValueError, match="lists of 4"):
@@ -95,6 +103,14 @@ def test_non_blocking_future_chains_to_a_colocated_group_without_the_driver(echo
 def test_future_with_a_different_layout_is_resplit(echo, consumer):
     out = consumer.consume(echo.produce_per_rank(_batch(8)))  # 4 chunks in, 2 dp ranks out
     assert out["value_plus_one"].tolist() == [2 * i + 1 for i in range(8)]
+
+
+def test_log_dir_holds_each_workers_python_and_fd_level_output(consumer, consumer_logs):
+    assert consumer.say("hello") == [0, 1, 2, 3]
+    for rank in range(4):
+        text = (consumer_logs / f"consumer_rank{rank}.log").read_text()
+        assert f"hello from rank {rank} via print" in text and f"hello from rank {rank} via fd 2" in text
+        assert "from rank" not in text.replace(f"from rank {rank}", "")  # each rank its own file
 
 
 def test_worker_exception_names_rank_method_and_traceback(echo):

@@ -101,3 +101,9 @@ class ConsumerWorker(Worker):
         out["value_plus_one"] = batch["value"] + 1
         out["pid"] = torch.full((len(batch),), os.getpid(), dtype=torch.int64)
         return out
+
+    @register(Dispatch.ONE_TO_ALL)
+    def say(self, text):
+        print(f"{text} from rank {self.rank} via print", flush=True)
+        os.write(2, f"{text} from rank {self.rank} via fd 2\n".encode())  # as C++ warnings are written
+        return self.rank

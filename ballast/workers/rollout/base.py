@@ -260,7 +260,11 @@ class RolloutBackend(Protocol):
     config: RolloutConfig
     eos_token_ids: tuple[int, ...]
     pad_token_id: int
+    vocab_size: int  # the engine's; prompt ids outside [0, vocab_size) are a ValueError
+    # Written by `start_generate_call`: the digest of the last call's prompts and sampling (TP peers
+    # compare it), and how many generate calls were started (the default call_index of the next).
     last_input_digest: str | None
+    num_calls: int
 
     def generate(
         self, prompts: TensorDict, sampling: SamplingConfig | None = None, call_index: int | None = None
@@ -313,10 +317,11 @@ class GenerateCall:
 
 def start_generate_call(backend, prompts: TensorDict, sampling: SamplingConfig | None,
                         call_index: int | None) -> GenerateCall:
-    """Validate sampling and prompts against `backend`, record the input digest, number the call.
+    """Validate sampling and prompts against `backend`, number the call, and record it on the backend
+    (`last_input_digest`, `num_calls`: both part of `RolloutBackend`).
 
-    `call_index=None` takes the next number of the backend's own counter; a caller may pin it (the
-    trainer passes the training step, so a resumed run draws the same seeds).
+    `call_index=None` takes the backend's call count; a caller may pin it (the trainer passes the
+    training step, so a resumed run draws the same seeds).
     """
     from .postprocess import check_token_range, input_digest, read_prompts
 
@@ -326,6 +331,6 @@ def start_generate_call(backend, prompts: TensorDict, sampling: SamplingConfig |
     check_token_range(token_lists, backend.vocab_size)
     backend.last_input_digest = input_digest(token_lists, repr(sampling))
     if call_index is None:
-        call_index = backend._num_calls
-    backend._num_calls += 1
+        call_index = backend.num_calls
+    backend.num_calls += 1
     return GenerateCall(sampling, input_ids, attention_mask, position_ids, token_lists, call_index)

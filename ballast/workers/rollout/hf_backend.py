@@ -109,7 +109,7 @@ class HFBackend:
         self.eos_token_ids, self.pad_token_id = resolve_special_tokens(config)
         self.vocab_size = int(self.model.config.get_text_config().vocab_size)
         self.last_input_digest: str | None = None
-        self._num_calls = 0
+        self.num_calls = 0
 
     @torch.no_grad()
     def generate(

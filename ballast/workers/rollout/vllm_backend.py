@@ -157,7 +157,7 @@ class VLLMBackend:
         self.vocab_size = int(model_config.get_vocab_size())
         self.max_model_len = int(model_config.max_model_len)
         self.last_input_digest: str | None = None
-        self._num_calls = 0
+        self.num_calls = 0
         self._asleep: set[str] = set()
         # A level-2 sleep discards the weights and wake_up() maps fresh, uninitialised memory for
         # them: the engine must be fed the weights again before it serves anything.

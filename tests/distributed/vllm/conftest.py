@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from ballast.workers.rollout.tiny_model import build_tiny_qwen2
+from testkit.models import build_tiny_qwen2
 
 
 @pytest.fixture(scope="session")

@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from tensordict import TensorDict
 
 from ballast.workers.rollout.base import RolloutConfig, SamplingConfig
-from ballast.workers.rollout.postprocess import build_rollout_output, default_position_ids, read_prompts
+from ballast.workers.rollout.postprocess import build_rollout_output, read_prompts
+from testkit.prompts import left_padded_prompts
 
 WORLD = 3
 PROMPTS = {0: [[5, 6, 7], [9]], 1: [], 2: [[20, 21, 22, 23, 24], [9], [30, 31]]}
@@ -21,13 +21,7 @@ WIDTH = {0: 4, 1: 2, 2: 6}
 
 
 def make_prompts(lists, width):
-    ids = torch.zeros((len(lists), width), dtype=torch.int64)
-    mask = torch.zeros_like(ids)
-    for i, t in enumerate(lists):
-        ids[i, width - len(t):] = torch.tensor(t)
-        mask[i, width - len(t):] = 1
-    return TensorDict(input_ids=ids, attention_mask=mask, position_ids=default_position_ids(mask),
-                      batch_size=[len(lists)])
+    return left_padded_prompts(lists, width, position_ids=True)
 
 
 class RowWiseBackend:

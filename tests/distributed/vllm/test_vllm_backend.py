@@ -6,11 +6,11 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from tensordict import TensorDict
 
 from ballast.protocol.fields import check_fields
 from ballast.workers.rollout import RolloutConfig, SamplingConfig, build_backend, iter_full_tensors, load_weights
 from ballast.workers.rollout.hf_backend import apply_sampling_filters
+from testkit.prompts import left_padded_prompts
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
@@ -20,13 +20,7 @@ RESPONSE_TOKENS = 12
 
 
 def make_prompts(token_lists=PROMPTS, pad=0):
-    width = max(len(t) for t in token_lists)
-    ids = torch.full((len(token_lists), width), pad, dtype=torch.int64)
-    mask = torch.zeros_like(ids)
-    for i, t in enumerate(token_lists):
-        ids[i, width - len(t):] = torch.tensor(t)
-        mask[i, width - len(t):] = 1
-    return TensorDict(input_ids=ids, attention_mask=mask, batch_size=[len(token_lists)])
+    return left_padded_prompts(token_lists, pad=pad)
 
 
 def greedy(**kwargs):

@@ -14,7 +14,10 @@ import sys
 
 import torch
 import torch.distributed as dist
-from tensordict import TensorDict
+
+# Run as a script: the shared prompt builder is in tests/testkit.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from testkit.prompts import left_padded_prompts  # noqa: E402
 
 # Per-rank prompts: rank 0 has 3 short prompts, rank 1 has 5 wider ones; [9] appears on both.
 PROMPTS = {
@@ -25,13 +28,7 @@ RESPONSE_TOKENS = 10
 
 
 def make_prompts(token_lists, extra_width=0):
-    width = max(len(t) for t in token_lists) + extra_width
-    ids = torch.zeros((len(token_lists), width), dtype=torch.int64)
-    mask = torch.zeros_like(ids)
-    for i, t in enumerate(token_lists):
-        ids[i, width - len(t):] = torch.tensor(t)
-        mask[i, width - len(t):] = 1
-    return TensorDict(input_ids=ids, attention_mask=mask, batch_size=[len(token_lists)])
+    return left_padded_prompts(token_lists, max(len(t) for t in token_lists) + extra_width)
 
 
 def fsdp_weight_sync(backend, model_dir, rank):

@@ -3,7 +3,7 @@
 import pytest
 import transformers
 
-from ballast.engine.testing import build_tiny_causal_lm
+from testkit.models import build_tiny_causal_lm
 
 
 @pytest.fixture(scope="session")

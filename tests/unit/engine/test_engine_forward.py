@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 from ballast.engine.attention import ATTN_IMPLEMENTATION, varlen_causal_attention
 from ballast.engine.forward import ForwardOptions, forward_micro_batch
 from ballast.engine.model import load_model
-from ballast.engine.testing import make_rl_batch
+from testkit.engine import make_rl_batch
 
 PROMPTS = [3, 9, 1, 14, 6]
 RESPONSES = [5, 0, 11, 2, 7]

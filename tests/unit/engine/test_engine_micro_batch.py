@@ -13,7 +13,7 @@ from ballast.engine.micro_batch import (
     split_micro_batches,
 )
 from ballast.engine.padding import check_padded_layout
-from ballast.engine.testing import make_rl_batch
+from testkit.engine import make_rl_batch
 
 LENGTHS = np.array([5, 90, 12, 33, 7, 120, 64, 3])
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ballast.engine import padding
-from ballast.engine.testing import make_rl_batch
+from testkit.engine import make_rl_batch
 
 
 def _batch():

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ballast.workers.rollout.tiny_model import build_tiny_qwen2
+from testkit.models import build_tiny_qwen2
 
 
 @pytest.fixture(scope="session")

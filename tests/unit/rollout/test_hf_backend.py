@@ -4,23 +4,18 @@ import contextlib
 
 import pytest
 import torch
-from tensordict import TensorDict
 
 from ballast.protocol.fields import check_fields
 from ballast.workers.rollout import RolloutConfig, SamplingConfig, build_backend
+from ballast.workers.rollout.base import RolloutBackend
 from ballast.workers.rollout.hf_backend import apply_sampling_filters
+from testkit.prompts import left_padded_prompts
 
 PROMPTS = [[5, 6, 7, 8], [9], [10, 11], [12, 13, 14, 15, 16, 17], [9]]
 
 
 def make_prompts(token_lists=PROMPTS, pad=0):
-    width = max(len(t) for t in token_lists)
-    ids = torch.full((len(token_lists), width), pad, dtype=torch.int64)
-    mask = torch.zeros_like(ids)
-    for i, t in enumerate(token_lists):
-        ids[i, width - len(t):] = torch.tensor(t)
-        mask[i, width - len(t):] = 1
-    return TensorDict(input_ids=ids, attention_mask=mask, batch_size=[len(token_lists)])
+    return left_padded_prompts(token_lists, pad=pad)
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +122,11 @@ def test_sampling_is_seeded_per_call_and_leaves_global_rng_alone(backend):
     replay = build_backend(backend.config, model=backend.model)
     assert torch.equal(replay.generate(make_prompts(), sampling)["responses"], first)
     assert torch.equal(replay.generate(make_prompts(), sampling)["responses"], second)
+    # What start_generate_call reads and writes is the protocol's: the call count is the default index.
+    assert isinstance(replay, RolloutBackend) and replay.num_calls == 2
+    assert replay.vocab_size == backend.model.config.vocab_size
+    assert torch.equal(replay.generate(make_prompts(), sampling, call_index=1)["responses"], second)
+    assert replay.num_calls == 3
 
 
 def test_apply_sampling_filters_top_k_and_top_p():

@@ -14,19 +14,14 @@ from ballast.workers.rollout.postprocess import (
     read_prompts,
     truncate_at_stop,
 )
+from testkit.prompts import left_padded_prompts
 
 PAD = 0
 
 
 def left_pad(token_lists, width=None, pad=PAD):
-    width = width or max(len(t) for t in token_lists)
-    ids = torch.full((len(token_lists), width), pad, dtype=torch.int64)
-    mask = torch.zeros((len(token_lists), width), dtype=torch.int64)
-    for i, tokens in enumerate(token_lists):
-        if tokens:
-            ids[i, width - len(tokens):] = torch.tensor(tokens)
-            mask[i, width - len(tokens):] = 1
-    return ids, mask
+    prompts = left_padded_prompts(token_lists, width, pad)
+    return prompts["input_ids"], prompts["attention_mask"]
 
 
 def test_prompt_token_lists_unpads_and_rejects_bad_rows():

@@ -6,20 +6,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
 
-from ballast.workers.rollout.postprocess import build_rollout_output, default_position_ids, read_prompts
+from ballast.workers.rollout.postprocess import build_rollout_output, read_prompts
 from ballast.workers.rollout.tp import TPGatherInfo, merge_gathered, pad_prompts, split_rank_output, tp_group_ranks
+from testkit.prompts import left_padded_prompts
 
 PAD = 0
 
 
 def left_padded(token_lists, width):
-    ids = torch.full((len(token_lists), width), PAD, dtype=torch.int64)
-    mask = torch.zeros_like(ids)
-    for i, t in enumerate(token_lists):
-        ids[i, width - len(t):] = torch.tensor(t)
-        mask[i, width - len(t):] = 1
-    return TensorDict(input_ids=ids, attention_mask=mask, position_ids=default_position_ids(mask),
-                      batch_size=[len(token_lists)])
+    return left_padded_prompts(token_lists, width, PAD, position_ids=True)
 
 
 def fake_generate(prompts: TensorDict) -> TensorDict:

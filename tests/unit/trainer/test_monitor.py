@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from ballast.trainer.monitor import (
-    DynamicBatchVisualizer, balancer_line, micro_batch_metrics, monitor_lines, should_report,
+    BalanceMonitor, DynamicBatchVisualizer, balancer_line, micro_batch_metrics, monitor_lines, should_report,
 )
 
 LINE = re.compile(r"^DynamicBatchMonitor: dp_rank_(\d+) - avg_tokens=(\d+), max_tokens=(\d+), "
@@ -50,3 +50,34 @@ def test_visualizer_renders_valid_pngs_from_a_recorded_run(tmp_path):
     assert _png_size(paths["rank_load"]) == (600, 320)
     with pytest.raises(ValueError, match="plot_interval=0"):
         DynamicBatchVisualizer(str(tmp_path), plot_interval=0)
+
+
+class _Tracker:
+    def __init__(self, run_dir):
+        self.run_dir, self.lines, self.images = str(run_dir), [], []
+
+    def console(self, line):
+        self.lines.append(line)
+
+    def log_images(self, images, step):
+        self.images.append((step, sorted(images)))
+
+
+def test_balance_monitor_owns_its_schedule_and_forgets_each_step(tmp_path):
+    tracker = _Tracker(tmp_path)
+    monitor = BalanceMonitor(tracker, total_steps=12, enable_monitor=True, monitor_interval=5, token_budget=64)
+    for step in range(1, 13):
+        monitor.record_balance(np.array([10, 20, 30, 40]), np.array([30, 70]), np.array([50, 50]), dp=2)
+        monitor.record_micro_tokens([[30, 20], [50]])
+        monitor.report(step)
+    chart_steps = [s for s, names in tracker.images if names == ["balance/per_rank_tokens"]]
+    assert chart_steps == [1, 10, 12]
+    assert (tmp_path / "charts" / "balance_step_12.png").is_file()
+    monitor_steps = [s for s, names in tracker.images if "dynamic_batch/rank_load" in names]
+    assert monitor_steps == [1, 5, 10]
+    assert len([line for line in tracker.lines if line.startswith("DynamicBatchMonitor")]) == 3 * 2
+    assert "DeviceMeshBalancer: dp_rank_0 assigned 2 samples (50 tokens)" in tracker.lines[2]
+    assert [r.micro_tokens_per_rank for r in monitor.visualizer.records][-1] == [[30, 20], [50]]
+    before = list(tracker.images)
+    monitor.report(10)  # nothing recorded since the last report: nothing to draw or print
+    assert tracker.images == before

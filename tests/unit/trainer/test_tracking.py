@@ -3,7 +3,9 @@
 import json
 import os
 
-from ballast.trainer.tracking import Tracker, format_console, redact
+from ballast.trainer.tracking import (
+    Tracker, format_console, format_validation, progress_postfix, redact, verbose_output, worker_log_dir,
+)
 
 
 def test_jsonl_tensorboard_console_and_redaction(tmp_path):
@@ -56,3 +58,21 @@ def test_rewind_keeps_the_rows_a_resumed_run_continues_from(tmp_path):
     fresh.rewind(0)  # a fresh run in the same directory starts a new file
     fresh.finish()
     assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+def test_progress_bar_numbers_and_validation_line():
+    metrics = {"critic/score/mean": 0.4567, "actor/pg_loss": -0.01234, "response_length/mean": 61.61, "actor/lr": 1.0}
+    assert progress_postfix(metrics) == {"score": "0.457", "pg_loss": "-0.0123", "resp_len": "61.6"}
+    one = {"val/score/mean": 0.25, "val/score/synthetic": 0.25, "val/response_length/mean": 12.34}
+    assert format_validation(one, 20) == "validation at step 20: score 0.250 | response length 12.3"
+    two = {"val/score/mean": 0.5, "val/score/a": 0.25, "val/score/b": 0.75}
+    assert format_validation(two, 0) == "validation at step 0: score 0.500 | a 0.250, b 0.750"
+
+
+def test_worker_output_goes_to_the_run_directory_unless_verbose(monkeypatch, tmp_path):
+    monkeypatch.delenv("BALLAST_VERBOSE", raising=False)
+    assert not verbose_output() and worker_log_dir(str(tmp_path)) == os.path.join(str(tmp_path), "logs")
+    for value, verbose in (("1", True), ("true", True), ("0", False), ("false", False), ("", False)):
+        monkeypatch.setenv("BALLAST_VERBOSE", value)
+        assert verbose_output() is verbose
+        assert (worker_log_dir(str(tmp_path)) is None) is verbose

@@ -163,7 +163,7 @@ def test_lr_schedule_over_a_run_matches_verl_after_warmup_and_pins_the_ramp(sche
     from tensordict import TensorDict
 
     from ballast.engine import MicroBatchSpec
-    from ballast.engine.testing import schedule_probe_engine
+    from testkit.engine import schedule_probe_engine
     from ballast.workers.spec import TrainLoopSpec
     from ballast.workers.train_loop import run_train_loop
 

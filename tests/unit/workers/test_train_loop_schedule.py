@@ -15,7 +15,7 @@ from tensordict import TensorDict
 from ballast.engine import MicroBatchSpec
 from ballast.engine import OptimConfig as EngineOptim
 from ballast.engine.optim import lr_factor
-from ballast.engine.testing import schedule_probe_engine
+from testkit.engine import schedule_probe_engine
 from ballast.workers.spec import TrainLoopSpec
 from ballast.workers.train_loop import run_train_loop
 

@@ -1,7 +1,7 @@
 """A few optimizer steps of the engine under torchrun, printing the loss per step.
 
-    torchrun --nproc_per_node 2 -m ballast.engine.demo --sp 2 --dynamic
-    torchrun --nproc_per_node 2 -m ballast.engine.demo --micro-batch-size 2 --no-remove-padding
+    torchrun --nproc_per_node 2 examples/engine_demo.py --sp 2 --dynamic
+    torchrun --nproc_per_node 2 examples/engine_demo.py --micro-batch-size 2 --no-remove-padding
 
 The model is the cached tiny Qwen2 of `ballast.models` (or `--model DIR`); the data is a synthetic
 batch with long-tailed lengths, identical on every rank and split over the DP ranks. The objective
@@ -12,6 +12,8 @@ loss should fall step after step.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 
 import numpy as np
@@ -19,7 +21,10 @@ import torch
 import torch.distributed as dist
 
 from ballast.engine import EngineConfig, MicroBatchSpec, OptimConfig, TrainEngine, agg_loss
-from ballast.engine.testing import make_rl_batch
+
+# The synthetic batch builder is the engine tests' (tests/testkit), kept out of the installed package.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from testkit.engine import make_rl_batch  # noqa: E402
 
 
 def nll_loss(outputs, micro, norm):

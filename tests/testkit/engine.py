@@ -1,4 +1,5 @@
-"""Helpers for tests, the demo and the benchmark: a tiny model, synthetic batches, a process launcher.
+"""Engine test helpers (also used by the engine demo and benchmark): synthetic RL batches in the
+engine's layout, reference log-probs from a plain HF model, and a process launcher.
 
 `spawn_ranks` starts a gloo "torchrun" in-process (one spawned process per rank, a FileStore for
 rendezvous) and enforces a wall-clock deadline: a rank that hangs in a collective is killed and the
@@ -18,30 +19,6 @@ import numpy as np
 import torch
 import torch.multiprocessing as mp
 from tensordict import TensorDict
-
-
-def build_tiny_causal_lm(
-    path: str,
-    seed: int = 0,
-    vocab_size: int = 128,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    intermediate_size: int = 128,
-    max_positions: int = 1024,
-    tie_word_embeddings: bool = False,
-) -> str:
-    """Save a random Qwen2ForCausalLM (head_dim = hidden / heads) into `path`; returns `path`."""
-    from ballast.models import save_random_qwen2
-
-    save_random_qwen2(
-        path, seed=seed, vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-        head_dim=hidden_size // num_heads, max_position_embeddings=max_positions,
-        tie_word_embeddings=tie_word_embeddings, use_cache=False,
-    )
-    return path
 
 
 def make_rl_batch(
