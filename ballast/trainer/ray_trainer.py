@@ -31,6 +31,7 @@ from ballast.workers.train_loop import MICRO_TOKENS_KEY
 from ballast.trainer.reward import RewardManager
 from ballast.trainer.roles import Workers
 from ballast.trainer.tracking import Tracker
+from ballast.trainer import signals
 
 VALIDATION_CALL_OFFSET = 1 << 30  # rollout call indices of validation passes never meet training ones
 
@@ -80,8 +81,13 @@ class RayPPOTrainer:
                 # Log before saving: a crash during the save then loses no metrics row (a resume
                 # drops the rows after its checkpoint and produces them again).
                 self.tracker.log(metrics, step=step)
-                if t.save_freq > 0 and (step % t.save_freq == 0 or step == self.total_steps):
+                saved = t.save_freq > 0 and (step % t.save_freq == 0 or step == self.total_steps)
+                if saved:
                     self.save_checkpoint()
+                if signals.pending() is not None:  # trainer.save_on_signal: this step was the safe point
+                    if not saved:
+                        self.save_checkpoint()
+                    signals.raise_pending()
                 bar.update(1)
                 bar.set_postfix({k.split("/")[-2] if k.endswith("mean") else k.split("/")[-1]: f"{metrics[k]:.3f}"
                                  for k in ("critic/score/mean", "actor/pg_loss") if k in metrics})
@@ -136,7 +142,7 @@ class RayPPOTrainer:
         return out
 
     def compute_reward(self, batch: Batch) -> Dict[str, float]:
-        scores, extras = self.reward(batch)
+        scores, extras = self.reward(batch, step=self.global_step + 1)
         batch["token_level_scores"] = scores
         return {f"reward_extra/{k}/mean": float(v.mean()) for k, v in extras.items()}
 
