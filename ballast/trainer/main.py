@@ -285,10 +285,10 @@ def cli_run(raw: DictConfig) -> int:
         cfg, lock = claim_run_dir(cfg)
         run(cfg, sizes, OmegaConf.to_container(raw, resolve=True))
         return 0
-    except signals.Terminated:
-        print("ballast: terminated", file=sys.stderr, flush=True)
-        return signals.EXIT_TERMINATED
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM (signals.Terminated, or Ray's re-raise of it)
+        if signals.was_terminated(err):
+            print("ballast: terminated", file=sys.stderr, flush=True)
+            return signals.EXIT_TERMINATED
         print("ballast: interrupted", file=sys.stderr, flush=True)
         return 130
     except Exception as err:

@@ -21,7 +21,7 @@ from typing import Optional
 
 EXIT_TERMINATED = 128 + signal.SIGTERM
 
-_state = {"save_first": False, "pending": None}
+_state = {"save_first": False, "pending": None, "last": None}
 
 
 class Terminated(KeyboardInterrupt):
@@ -30,6 +30,7 @@ class Terminated(KeyboardInterrupt):
 
 
 def _handler(signum, frame) -> None:
+    _state["last"] = signum
     if _state["save_first"] and _state["pending"] is None:
         _state["pending"] = signum
         return
@@ -46,7 +47,13 @@ def install(save_first: bool = False) -> None:
 def uninstall() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    _state.update(save_first=False, pending=None)
+    _state.update(save_first=False, pending=None, last=None)
+
+
+def was_terminated(err: BaseException) -> bool:
+    """Whether `err` stands for a SIGTERM. Ray turns an exception raised by a signal handler during
+    `ray.get`/`ray.wait` into a new plain KeyboardInterrupt, so the class alone cannot tell."""
+    return isinstance(err, Terminated) or (isinstance(err, KeyboardInterrupt) and _state["last"] == signal.SIGTERM)
 
 
 def pending() -> Optional[int]:
