@@ -123,7 +123,7 @@ def training_session(cfg: BallastConfig, sizes, raw_config: Optional[dict] = Non
         raise InputError(str(err)) from err
     ray_dir = start_ray(cfg)
     owns_ray = ray_dir is not None
-    signals.install(cfg.trainer.save_on_signal)  # again: ray.init replaced the handlers
+    signals.reinstall()  # ray.init replaced the command line's handlers
     workers = None
     tracker = Tracker(cfg.trainer.logger, cfg.trainer.project_name, cfg.trainer.experiment_name,
                       cfg.trainer.default_local_dir, config=raw_config, console=tqdm.write)

@@ -2,7 +2,7 @@
 
 SIGTERM is what Slurm, Kubernetes and `ray job stop` send. Left alone, Ray's C++ signal handler
 (installed by `ray.init`) aborts the driver with a stack dump and exit 134, skipping Python cleanup.
-`install()` puts a Python handler in its place (call it again after `ray.init`, which replaces
+`install()` puts a Python handler in its place (`reinstall()` after `ray.init`, which replaces
 handlers):
 
 * `trainer.save_on_signal=false` (default): the signal raises `Terminated` (SIGTERM) or
@@ -21,7 +21,7 @@ from typing import Optional
 
 EXIT_TERMINATED = 128 + signal.SIGTERM
 
-_state = {"save_first": False, "pending": None, "last": None}
+_state = {"save_first": False, "pending": None, "last": None, "installed": False}
 
 
 class Terminated(KeyboardInterrupt):
@@ -39,15 +39,21 @@ def _handler(signum, frame) -> None:
 
 def install(save_first: bool = False) -> None:
     """Handle SIGTERM and SIGINT as described in the module docstring (main thread only)."""
-    _state["save_first"] = save_first
+    _state.update(save_first=save_first, installed=True)
     signal.signal(signal.SIGTERM, _handler)
     signal.signal(signal.SIGINT, _handler)
+
+
+def reinstall() -> None:
+    """Put the handlers back after `ray.init` replaced them, if `install` was called (by the command line)."""
+    if _state["installed"]:
+        install(_state["save_first"])
 
 
 def uninstall() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    _state.update(save_first=False, pending=None, last=None)
+    _state.update(save_first=False, pending=None, last=None, installed=False)
 
 
 def was_terminated(err: BaseException) -> bool:
