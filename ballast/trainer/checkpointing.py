@@ -90,11 +90,12 @@ class CheckpointManager:
             _atomic_write(os.path.join(tmp, STATE), json.dumps({"global_step": step, **trainer_state}))
             _atomic_write(os.path.join(tmp, CHECKSUMS), json.dumps(file_checksums(tmp), indent=0))
         except BaseException as err:
+            free, partial = shutil.disk_usage(self.root).free, checkpoint_bytes(tmp)
             shutil.rmtree(tmp, ignore_errors=True)
             if is_disk_full(err):
                 raise CheckpointError(
                     f"saving checkpoint global_step_{step} into {self.root!r} failed: no space left on device "
-                    f"({_mib(shutil.disk_usage(self.root).free)} MiB free now; the partial directory was removed). "
+                    f"({_mib(free)} MiB free after writing {_mib(partial)} MiB; the partial directory was removed). "
                     "Free space there or point trainer.default_local_dir at a larger disk, then resume with "
                     "trainer.resume_mode=auto"
                 ) from err

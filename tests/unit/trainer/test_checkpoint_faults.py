@@ -109,7 +109,7 @@ def test_disk_full_during_a_save_names_the_cause_and_removes_the_partial_directo
                           f"OSError: [Errno 28] No space left on device while writing '{path}' (0 bytes free)")
 
     with pytest.raises(CheckpointError, match=rf"saving checkpoint global_step_2 into '{tmp_path}' failed: no space "
-                                              r"left on device \(.* MiB free now; the partial directory was removed\)"
+                                              r"left on device \(.* MiB free after writing 0\.0 MiB; the partial directory was removed\)"
                        ) as info:
         mgr.save(2, full_disk, {})
     assert sorted(os.listdir(tmp_path)) == ["global_step_1", "latest_checkpointed_iteration.txt"]
