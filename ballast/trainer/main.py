@@ -28,6 +28,7 @@ import hydra
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
+from ballast.models.weights_check import ModelFilesError, check_model_files
 from ballast.trainer import signals
 from ballast.trainer.config import BallastConfig, ConfigError, ModelInfo, check_config, to_typed
 
@@ -74,8 +75,6 @@ def prepare_typed(cfg: BallastConfig):
     cfg = absolute_paths(cfg)
     model = ModelInfo.from_dir(cfg.actor_rollout_ref.model.path)
     sizes = check_config(cfg, model)
-    from ballast.models.weights_check import ModelFilesError, check_model_files
-
     for key, path in (("actor_rollout_ref.model.path", cfg.actor_rollout_ref.model.path),
                       ("critic.model.path", cfg.critic.model.path if sizes.use_critic else None)):
         if path and os.path.isdir(path):

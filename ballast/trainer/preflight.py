@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Tuple
 
-from ballast.trainer.checkpointing import CheckpointManager, choose_checkpoint, verify_checkpoint
+from ballast.trainer.checkpointing import CheckpointError, CheckpointManager, choose_checkpoint, verify_checkpoint
 from ballast.trainer.config import BallastConfig
 from ballast.trainer.run_dir import RunDirLock, check_fresh_start, lock_run_dir
 
@@ -42,8 +42,6 @@ def claim_run_dir(cfg: BallastConfig) -> Tuple[BallastConfig, RunDirLock]:
 
 def resolve_resume(run_dir: str, resume_mode: str, resume_from_path) -> "str | None":
     """The checkpoint directory this run loads, or None for a fresh start (see `choose_checkpoint`)."""
-    from ballast.trainer.checkpointing import CheckpointError
-
     if resume_mode == "disable":
         return None
     if resume_mode == "auto":
