@@ -256,6 +256,8 @@ def failure(err: BaseException) -> Tuple[int, str]:
         return EXIT_BAD_INPUT, f"run directory: {' '.join(lines)}"
     if isinstance(err, CheckpointError):
         return EXIT_BAD_INPUT, f"checkpoint: {' '.join(lines)}"
+    if _is_ray_oom(err):  # Ray's memory monitor killed workers; Ray raises this from ray.get, unwrapped
+        return EXIT_WORKER_FAILED, f"worker failure: out of memory: {lines[0]}"
     if isinstance(err, WorkerError):
         # a remote exception: its first line names group, method and rank, its last line the error
         reason = f"{lines[0]} {lines[-1]}" if _is_remote_exception(err) and len(lines) > 1 else lines[0]
@@ -265,6 +267,14 @@ def failure(err: BaseException) -> Tuple[int, str]:
     if isinstance(err, (RayUnavailableError, PlacementError)):
         return EXIT_RAY_UNAVAILABLE, f"ray cluster: {lines[0]}"
     return 1, f"{type(err).__name__}: {lines[0]}"
+
+
+def _is_ray_oom(err: BaseException) -> bool:
+    try:
+        from ray.exceptions import OutOfMemoryError
+    except ImportError:
+        return False
+    return isinstance(err, OutOfMemoryError)
 
 
 def _is_remote_exception(err: BaseException) -> bool:
