@@ -20,4 +20,4 @@ python -m ballast.trainer.main --config-name quickstart \
   critic.forward_micro_batch_size_per_gpu=16 \
   actor_rollout_ref.actor.use_kl_loss=True actor_rollout_ref.actor.kl_loss_coef=0.001 \
   trainer.critic_warmup=2 trainer.experiment_name=ppo-tiny trainer.default_local_dir=outputs/ppo_tiny \
-  trainer.resume_mode=disable "$@"
+  trainer.resume_mode=disable trainer.move_old_run_aside=true "$@"

@@ -23,7 +23,9 @@ if [[ ! -f "$QS/data/train.parquet" ]]; then
 fi
 RUN_DIR=outputs/quickstart
 echo "[quickstart] training GRPO on CPU; metrics in $RUN_DIR/metrics.jsonl"
-python -m ballast.trainer.main --config-name quickstart trainer.resume_mode=disable "trainer.default_local_dir=$RUN_DIR" "$@"
+# A rerun starts over; the previous run moves to $RUN_DIR.old-<time> rather than being overwritten.
+python -m ballast.trainer.main --config-name quickstart trainer.resume_mode=disable trainer.move_old_run_aside=true \
+  "trainer.default_local_dir=$RUN_DIR" "$@"
 python - "$RUN_DIR/metrics.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]

@@ -81,6 +81,7 @@ class RLDataset(torch.utils.data.Dataset):
         self.prompt_key = prompt_key
         self._template_kwargs = dict(chat_template_kwargs or {})
         self._samples: list[dict] = []
+        self._cut_generation_prompt = ""  # what right truncation removed from the prompts' end, if any
         read = filtered = truncated = longest = 0
         for path in self.files:
             rows = read_rows(path)
@@ -127,12 +128,33 @@ class RLDataset(torch.utils.data.Dataset):
                 else:
                     ids = ids[-keep:] if self.truncation == "left" else ids[:keep]
                 truncated += 1
+                if self.truncation == "right" and not self._cut_generation_prompt:
+                    self._cut_generation_prompt = self._generation_prompt(tokenizer, item["raw_prompt"])
             item["input_ids"] = torch.tensor(ids, dtype=torch.long)
             self._samples.append(item)
         return filtered, truncated, longest
 
+    def _generation_prompt(self, tokenizer, messages) -> str:
+        """The text the chat template appends for the assistant's turn (add_generation_prompt); it sits
+        at the very end of every prompt, so right truncation always cuts it."""
+        try:
+            with_turn = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                      **self._template_kwargs)
+            without = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=False,
+                                                    **self._template_kwargs)
+        except Exception:  # the template rendered once already; a second failure only loses the warning
+            return ""
+        return with_turn[len(without):] if with_turn.startswith(without) else with_turn[-16:]
+
     def _log_stats(self) -> None:
         s = self.stats
+        if self._cut_generation_prompt:
+            logger.warning(
+                "RLDataset: truncation='right' cut the end of %d prompt(s) longer than max_prompt_length=%d, "
+                "and with it the chat template's generation prompt %r: the model will continue the user's "
+                "text instead of answering. Use truncation='left' or 'filter', or raise max_prompt_length",
+                s.num_truncated, self.max_prompt_length, self._cut_generation_prompt,
+            )
         logger.info(
             "RLDataset: %d rows from %d file(s), kept %d, filtered %d and truncated %d prompts longer than "
             "max_prompt_length=%d (truncation=%s); longest prompt %d tokens",

@@ -14,6 +14,7 @@ files copied from the source model directory.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 
@@ -34,6 +35,9 @@ DCP_DIR = "dcp"
 # generation config and the like travel with the exported model.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5")
 _NOT_COPIED = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json"}
+# torch.save's zip writer reports a short write as "unexpected pos ..." without the OS error; a failed
+# write with less than this much free space left is taken to be a full disk.
+_LOW_SPACE_BYTES = 64 << 20
 
 
 def _rank() -> int:
@@ -51,11 +55,28 @@ def save_checkpoint(path: str, model, optimizer, scheduler, counters: dict[str, 
         os.makedirs(path, exist_ok=True)
     _barrier()
     state = _state(model, optimizer)
-    dcp.save(state, checkpoint_id=os.path.join(path, DCP_DIR))
-    if _rank() == 0:
-        extra = {"scheduler": scheduler.state_dict() if scheduler is not None else None, "counters": dict(counters)}
-        torch.save(extra, os.path.join(path, ENGINE_STATE_FILE))
+    try:
+        dcp.save(state, checkpoint_id=os.path.join(path, DCP_DIR))
+        if _rank() == 0:
+            extra = {"scheduler": scheduler.state_dict() if scheduler is not None else None,
+                     "counters": dict(counters)}
+            torch.save(extra, os.path.join(path, ENGINE_STATE_FILE))
+    except Exception as err:
+        raise_if_disk_full(err, path)
+        raise
     _barrier()
+
+
+def raise_if_disk_full(err: BaseException, path: str) -> None:
+    """Re-raise a write failure under `path` as OSError(ENOSPC) naming the directory when the disk is full."""
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return
+    said_enospc = isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)
+    if said_enospc or free < _LOW_SPACE_BYTES:
+        raise OSError(errno.ENOSPC, f"No space left on device while writing {path!r} ({free} bytes free): "
+                                    f"{type(err).__name__}: {err}") from err
 
 
 def load_checkpoint(path: str, model, optimizer, scheduler) -> dict[str, int]:
@@ -108,7 +129,11 @@ def export_hf(path: str, model, source_dir: str) -> None:
             fresh = cls(model.config)
         fresh.load_state_dict(full, assign=True, strict=True)
         fresh.tie_weights()
-        fresh.save_pretrained(path)
+        try:
+            fresh.save_pretrained(path)
+        except Exception as err:
+            raise_if_disk_full(err, path)
+            raise
         for name in sorted(os.listdir(source_dir)):
             src = os.path.join(source_dir, name)
             if not os.path.isfile(src) or name in _NOT_COPIED or name.endswith(_WEIGHT_SUFFIXES):

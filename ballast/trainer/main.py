@@ -5,9 +5,10 @@ the result is validated once into a frozen config plus derived sizes before any 
 `--cfg job` prints the composed config without running.
 
 A failed run ends with one line on stderr saying why and an exit code a scheduler can act on:
-0 done, 2 bad config or input (config, data, model, tokenizer, reward function), 3 a worker died,
+0 done, 2 bad config, input or environment (config, data, model files, tokenizer, reward function,
+a run directory in use or holding another run, a damaged checkpoint, a full disk), 3 a worker died,
 timed out or raised, 4 too many non-finite steps in a row, 5 the Ray cluster did not answer or could
-not place the workers, 1 anything else (with its traceback).
+not place the workers, 130 Ctrl-C, 143 SIGTERM, 1 anything else (with its traceback).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import dataclasses
 import json
 import os
 import random
+import shutil
 import socket
 import sys
 import time
@@ -26,6 +28,8 @@ import hydra
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
+from ballast.models.weights_check import ModelFilesError, check_model_files
+from ballast.trainer import signals
 from ballast.trainer.config import BallastConfig, ConfigError, ModelInfo, check_config, to_typed
 from ballast.trainer.config.gpu_memory import check_rollout_gpu_memory_at_start
 
@@ -72,6 +76,13 @@ def prepare_typed(cfg: BallastConfig):
     cfg = absolute_paths(cfg)
     model = ModelInfo.from_dir(cfg.actor_rollout_ref.model.path)
     sizes = check_config(cfg, model)
+    for key, path in (("actor_rollout_ref.model.path", cfg.actor_rollout_ref.model.path),
+                      ("critic.model.path", cfg.critic.model.path if sizes.use_critic else None)):
+        if path and os.path.isdir(path):
+            try:
+                check_model_files(path)
+            except ModelFilesError as err:
+                raise InputError(f"{key}: {err}") from None
     if cfg.actor_rollout_ref.rollout.name == "vllm":
         try:
             import vllm  # noqa: F401
@@ -109,10 +120,12 @@ def training_session(cfg: BallastConfig, sizes, raw_config: Optional[dict] = Non
         data = RunData(cfg, tokenizer)
         reward = RewardManager.from_config(tokenizer, cfg.custom_reward_function.path,
                                            cfg.custom_reward_function.name, cfg.data.reward_fn_key,
-                                           overlong_buffer(cfg))
+                                           overlong_buffer(cfg), cfg.reward.timeout_s)
     except (ValueError, OSError, ImportError) as err:  # the messages name the file, row or path
         raise InputError(str(err)) from err
-    owns_ray = start_ray(cfg)
+    ray_dir = start_ray(cfg)
+    owns_ray = ray_dir is not None
+    signals.reinstall()  # ray.init replaced the command line's handlers
     workers = None
     tracker = Tracker(cfg.trainer.logger, cfg.trainer.project_name, cfg.trainer.experiment_name,
                       cfg.trainer.default_local_dir, config=raw_config, console=tqdm.write)
@@ -129,6 +142,7 @@ def training_session(cfg: BallastConfig, sizes, raw_config: Optional[dict] = Non
             workers.shutdown()
         if owns_ray:
             ray.shutdown()
+            remove_ray_dir(ray_dir)
 
 
 def run(cfg: BallastConfig, sizes, raw_config: Optional[dict] = None) -> dict:
@@ -152,8 +166,10 @@ def record_workers(workers, run_dir: str) -> list:
     return placed
 
 
-def start_ray(cfg: BallastConfig) -> bool:
-    """Connect to `ray_init.address` or start a local instance; True if this call started Ray.
+def start_ray(cfg: BallastConfig) -> Optional[str]:
+    """Connect to `ray_init.address` or start a local instance; None if Ray was already initialized,
+    else the temp directory this call's Ray session uses ("" when joining a cluster, whose session
+    directory belongs to the cluster).
 
     Ray's own token authentication is left on (Ray's default for a new local instance): a local
     Ray's gRPC ports listen on every interface, and without the token anyone who can reach them can
@@ -173,16 +189,25 @@ def start_ray(cfg: BallastConfig) -> bool:
     if r.address:
         probe_ray_address(r.address, r.timeout_s)
     if ray.is_initialized():
-        return False
+        return None
     if r.address:
         ray.init(address=r.address, **quiet)
-        return True
+        return ""
     world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     num_cpus = r.num_cpus or max(os.cpu_count() or 1, world)
+    temp_dir = tempfile.mkdtemp(prefix="ray_", dir="/tmp")
+    print(f"ballast: local Ray session in {temp_dir} (removed at exit)", flush=True)
     # address="local": always a fresh instance, even when RAY_ADDRESS is set by a parent process.
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, dashboard_host=r.dashboard_host,
-             _temp_dir=tempfile.mkdtemp(prefix="ray_", dir="/tmp"), **quiet)
-    return True
+             _temp_dir=temp_dir, **quiet)
+    return temp_dir
+
+
+def remove_ray_dir(temp_dir: Optional[str]) -> None:
+    """Delete the session directory of a local Ray this run started (logs, sockets: 1-2 MB a run).
+    Only a directory `start_ray` made, never a cluster's; Ray's processes are gone after shutdown."""
+    if temp_dir and os.path.basename(temp_dir).startswith("ray_") and os.path.dirname(temp_dir) == "/tmp":
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def _host_port(address: str) -> Tuple[str, int]:
@@ -224,8 +249,10 @@ def probe_ray_address(address: str, timeout_s: float) -> None:
 def failure(err: BaseException) -> Tuple[int, str]:
     """The exit code and one-line reason for an error that ends a run."""
     from ballast.single_controller import PlacementError, WorkerError
+    from ballast.trainer.checkpointing import CheckpointError
     from ballast.trainer.ray_trainer import NonFiniteStepsError
     from ballast.trainer.reward import RewardFunctionError
+    from ballast.trainer.run_dir import RunDirError
 
     lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
     if isinstance(err, ConfigError):
@@ -233,6 +260,12 @@ def failure(err: BaseException) -> Tuple[int, str]:
         return EXIT_BAD_INPUT, f"{kind}: {' '.join(lines)}"
     if isinstance(err, RewardFunctionError):
         return EXIT_BAD_INPUT, f"reward function: {lines[0]}"
+    if isinstance(err, RunDirError):
+        return EXIT_BAD_INPUT, f"run directory: {' '.join(lines)}"
+    if isinstance(err, CheckpointError):
+        return EXIT_BAD_INPUT, f"checkpoint: {' '.join(lines)}"
+    if _is_ray_oom(err):  # Ray's memory monitor killed workers; Ray raises this from ray.get, unwrapped
+        return EXIT_WORKER_FAILED, f"worker failure: out of memory: {lines[0]}"
     if isinstance(err, WorkerError):
         # a remote exception: its first line names group, method and rank, its last line the error
         reason = f"{lines[0]} {lines[-1]}" if _is_remote_exception(err) and len(lines) > 1 else lines[0]
@@ -244,6 +277,14 @@ def failure(err: BaseException) -> Tuple[int, str]:
     return 1, f"{type(err).__name__}: {lines[0]}"
 
 
+def _is_ray_oom(err: BaseException) -> bool:
+    try:
+        from ray.exceptions import OutOfMemoryError
+    except ImportError:
+        return False
+    return isinstance(err, OutOfMemoryError)
+
+
 def _is_remote_exception(err: BaseException) -> bool:
     from ballast.single_controller import WorkerError
 
@@ -252,11 +293,19 @@ def _is_remote_exception(err: BaseException) -> bool:
 
 def cli_run(raw: DictConfig) -> int:
     """Validate and run one composed config; returns the process exit code (see the module docstring)."""
+    from ballast.trainer.preflight import claim_run_dir
+
+    lock = None
+    signals.install(save_first=bool(OmegaConf.select(raw, "trainer.save_on_signal", default=False)))
     try:
         cfg, sizes = prepare(raw)
+        cfg, lock = claim_run_dir(cfg)
         run(cfg, sizes, OmegaConf.to_container(raw, resolve=True))
         return 0
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM (signals.Terminated, or Ray's re-raise of it)
+        if signals.was_terminated(err):
+            print("ballast: terminated", file=sys.stderr, flush=True)
+            return signals.EXIT_TERMINATED
         print("ballast: interrupted", file=sys.stderr, flush=True)
         return 130
     except Exception as err:
@@ -267,8 +316,23 @@ def cli_run(raw: DictConfig) -> int:
             traceback.print_exc()
         elif _is_remote_exception(err):
             print(str(err), file=sys.stderr)  # the worker's traceback, for debugging
+        elif _user_cause(err) is not None:
+            import traceback
+
+            traceback.print_exception(_user_cause(err), file=sys.stderr)  # the reward function's own traceback
         print(f"ballast: {reason}", file=sys.stderr, flush=True)
         return code
+    finally:
+        signals.uninstall()
+        if lock is not None:
+            lock.release()
+
+
+def _user_cause(err: BaseException) -> Optional[BaseException]:
+    """The exception a user's reward function raised, when that is what ended the run."""
+    from ballast.trainer.reward import RewardFunctionError
+
+    return err.__cause__ if isinstance(err, RewardFunctionError) else None
 
 
 @hydra.main(config_path="../configs", config_name="ppo_trainer", version_base=None)

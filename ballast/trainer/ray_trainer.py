@@ -54,6 +54,7 @@ from ballast.trainer.reward import RewardManager
 from ballast.trainer.roles import Workers
 from ballast.trainer.tracking import Tracker, format_validation, progress_postfix
 from ballast.trainer.val_metrics import validation_metrics
+from ballast.trainer import signals
 
 
 # Rollout call indices (sampling seeds) of the extra generation batches of dynamic sampling.
@@ -120,11 +121,16 @@ class RayPPOTrainer:
                 # Log before saving: a crash during the save then loses no metrics row (a resume
                 # drops the rows after its checkpoint and produces them again).
                 self.tracker.log(metrics, step=step)
-                if t.save_freq > 0 and (step % t.save_freq == 0 or step == self.total_steps):
+                saved = t.save_freq > 0 and (step % t.save_freq == 0 or step == self.total_steps)
+                if saved:
                     start = time.perf_counter()
                     self.save_checkpoint()
                     # logged with the next step's row: this one is already written (see above)
                     self._pending_metrics["timing_s/save_checkpoint"] = time.perf_counter() - start
+                if signals.pending() is not None:  # trainer.save_on_signal: this step was the safe point
+                    if not saved:
+                        self.save_checkpoint()
+                    signals.raise_pending()
                 bar.set_postfix(progress_postfix(metrics), refresh=False)
                 bar.update(1)
                 last = metrics
@@ -190,7 +196,7 @@ class RayPPOTrainer:
             if self._weight_sync_s:  # part of timing_s/gen, also reported alone as verl does
                 timing["update_weights"] = timing.get("update_weights", 0.0) + self._weight_sync_s
             with _timer(timing, "reward"):
-                extras = self._score(batch)
+                extras = self._score(batch, step)
             num_gen += 1
             if not fg.enable:
                 metrics.update(_extra_means(extras))
@@ -215,11 +221,8 @@ class RayPPOTrainer:
         metrics.update(sampling_metrics(num_gen, evicted, len(batch) - size))
         return batch[:size]
 
-    def compute_reward(self, batch: Batch) -> Dict[str, float]:
-        return _extra_means(self._score(batch))
-
-    def _score(self, batch: Batch) -> Dict[str, np.ndarray]:
-        scores, extras = self.reward(batch)
+    def _score(self, batch: Batch, step: int) -> Dict[str, np.ndarray]:
+        scores, extras = self.reward(batch, step=step)
         batch["token_level_scores"] = scores
         return extras
 

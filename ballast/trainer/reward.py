@@ -2,12 +2,20 @@
 
 The score function is the built-in one for the sample's `data_source` (see `ballast.data.rewards`) or
 `custom_reward_function.path/name`. A function that raises or returns something that is not a finite
-number (or a dict with a "score") is a `RewardFunctionError` naming the row, data source and what
-the function returned; nothing is skipped.
+number (or a dict with a "score") is a `RewardFunctionError` naming the training step, the sample's
+dataset row (its `index`), data source and what the function returned; nothing is skipped. The
+function's own exception is kept as the cause, so the command line prints its traceback.
+
+`reward.timeout_s` bounds one call: the function then runs on a helper thread and a call that does
+not return in time stops the run (a hung score function would otherwise hang the run, and no worker
+timeout covers the driver). `reward.timeout_s=null` runs it on the main thread without a limit, for
+functions that need the main thread (e.g. ones that use `signal.alarm` themselves).
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple
@@ -43,42 +51,91 @@ class OverlongBuffer:
         return min(-excess / self.buffer_len * self.penalty_factor, 0.0)
 
 
+class RewardTimeoutError(RewardFunctionError):
+    """One call of the score function did not return within `reward.timeout_s`."""
+
+
+class _TimedCaller:
+    """Runs calls on one daemon thread and waits for each at most `timeout_s`. A call that never
+    returns leaves its thread behind (Python cannot stop it); the run ends anyway, and a daemon
+    thread does not keep the process alive."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._calls: "queue.Queue" = queue.Queue()
+        self._thread: Optional[threading.Thread] = None
+
+    def _serve(self) -> None:
+        while True:
+            fn, args, done = self._calls.get()
+            try:
+                done.put((True, fn(*args)))
+            except BaseException as err:  # handed to the caller, who re-raises it
+                done.put((False, err))
+
+    def __call__(self, fn: Callable, *args):
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._serve, name="ballast-reward", daemon=True)
+            self._thread.start()
+        done: "queue.Queue" = queue.Queue(maxsize=1)
+        self._calls.put((fn, args, done))
+        try:
+            ok, value = done.get(timeout=self.timeout_s)
+        except queue.Empty:
+            self._thread = None  # the stuck thread keeps the old queue; a later call gets a fresh thread
+            self._calls = queue.Queue()
+            raise TimeoutError from None
+        if not ok:
+            raise value
+        return value
+
+
 class RewardManager:
     def __init__(self, tokenizer, compute_score: Optional[Callable] = None, reward_fn_key: str = "data_source",
-                 overlong: Optional[OverlongBuffer] = None):
+                 overlong: Optional[OverlongBuffer] = None, timeout_s: Optional[float] = None):
         self.tokenizer = tokenizer
         self.compute_score = compute_score or default_compute_score
         self.reward_fn_key = reward_fn_key
         self.overlong = overlong
+        self.timeout_s = timeout_s
+        self._call = _TimedCaller(timeout_s) if timeout_s is not None else (lambda fn, *args: fn(*args))
 
     @classmethod
     def from_config(cls, tokenizer, path: Optional[str], name: str, reward_fn_key: str,
-                    overlong: Optional[OverlongBuffer] = None) -> "RewardManager":
+                    overlong: Optional[OverlongBuffer] = None,
+                    timeout_s: Optional[float] = None) -> "RewardManager":
         fn = load_custom_reward_fn(path, name) if path else None
-        return cls(tokenizer, fn, reward_fn_key, overlong)
+        return cls(tokenizer, fn, reward_fn_key, overlong, timeout_s)
 
-    def __call__(self, batch: Batch) -> Tuple[torch.Tensor, Dict[str, np.ndarray]]:
-        """(token_level_scores (B, R) float32, extra per-sample values returned by the score function)."""
+    def __call__(self, batch: Batch, step: Optional[int] = None) -> Tuple[torch.Tensor, Dict[str, np.ndarray]]:
+        """(token_level_scores (B, R) float32, extra per-sample values returned by the score function).
+
+        `step` (the training step, None for validation) only goes into error messages."""
         responses, mask = batch["responses"], batch["response_mask"]
         lengths = mask.sum(dim=-1).tolist()
         sources = batch[self.reward_fn_key] if self.reward_fn_key in batch else np.array(["unknown"] * len(batch))
         truths = batch["ground_truth"] if "ground_truth" in batch else [
             (rm or {}).get("ground_truth") for rm in batch["reward_model"]]
         extra_infos = batch["extra_info"] if "extra_info" in batch else [None] * len(batch)
+        rows = batch["index"] if "index" in batch else None
         scores = torch.zeros(responses.shape, dtype=torch.float32)
         extras: Dict[str, list] = defaultdict(list)
         for i, length in enumerate(lengths):
             text = self.tokenizer.decode(responses[i, :length].tolist(), skip_special_tokens=True)
+            where = _where(step, i, rows[i] if rows is not None else None, sources[i])
             try:
-                raw = self.compute_score(sources[i], text, truths[i], extra_infos[i])
+                raw = self._call(self.compute_score, sources[i], text, truths[i], extra_infos[i])
+            except TimeoutError:
+                raise RewardTimeoutError(
+                    f"reward function did not return within reward.timeout_s={self.timeout_s:g}s on {where}; "
+                    "fix the function or raise reward.timeout_s"
+                ) from None
             except Exception as err:
-                raise RewardFunctionError(
-                    f"reward function failed on row {i} (data_source {sources[i]!r}): {type(err).__name__}: {err}"
-                ) from err
+                raise RewardFunctionError(f"reward function failed on {where}: {type(err).__name__}: {err}") from err
             try:
                 result = validate_score(raw, index=i, data_source=str(sources[i]))
             except ValueError as err:
-                raise RewardFunctionError(str(err)) from None
+                raise RewardFunctionError(f"{err} ({where})") from None
             score = result["score"]
             if self.overlong is not None:
                 penalty = self.overlong.penalty(length)
@@ -94,3 +151,11 @@ class RewardManager:
                 elif key == "pred" and isinstance(value, str):  # the answer a majority vote counts (maj@n)
                     extras[key].append(value)
         return scores, {k: np.asarray(v) for k, v in extras.items() if len(v) == len(lengths)}
+
+
+def _where(step: Optional[int], position: int, row, source) -> str:
+    """Where a sample comes from, for messages: the step, its dataset row index and data_source."""
+    when = f"step {step}" if step is not None else "validation"
+    if row is None:
+        return f"{when}, batch position {position} (data_source {source!r})"
+    return f"{when}, dataset row {row} (data_source {source!r}, batch position {position})"

@@ -279,6 +279,13 @@ class TrainerConfig:
     monitor_interval: int
     worker_timeout_s: float
     max_consecutive_nonfinite_steps: int
+    save_on_signal: bool
+    move_old_run_aside: bool
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    timeout_s: Optional[float]  # per call of the score function; null: no limit (runs on the main thread)
 
 
 @dataclass(frozen=True)
@@ -296,6 +303,7 @@ class BallastConfig:
     critic: CriticConfig
     custom_reward_function: CustomRewardConfig
     reward_model: RewardModelConfig
+    reward: RewardConfig
     algorithm: AlgorithmConfig
     trainer: TrainerConfig
     ray_init: RayInitConfig

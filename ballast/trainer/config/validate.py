@@ -132,6 +132,8 @@ def _check_ranges(cfg: BallastConfig) -> None:
     _at_least("actor_rollout_ref.actor.grad_clip", actor.grad_clip, 0.0, inclusive=False)
     _at_least("critic.grad_clip", cfg.critic.grad_clip, 0.0, inclusive=False)
     _at_least("trainer.worker_timeout_s", t.worker_timeout_s, 0.0, inclusive=False)
+    if cfg.reward.timeout_s is not None:
+        _at_least("reward.timeout_s", cfg.reward.timeout_s, 0.0, inclusive=False)
     _at_least("ray_init.timeout_s", cfg.ray_init.timeout_s, 0.0, inclusive=False)
     for key, value in (
         ("actor_rollout_ref.actor.clip_ratio", actor.clip_ratio),

@@ -61,6 +61,20 @@ def test_truncation_keeps_the_right_end(tokenizer, mixed_files, side):
             assert torch.equal(kept, ids[-limit:] if side == "left" else ids[:limit])
 
 
+@pytest.mark.parametrize("side", ["left", "right", "filter"])
+def test_right_truncation_warns_that_it_cut_the_generation_prompt(tokenizer, mixed_files, caplog, side):
+    limit, _ = _long_short_lengths(tokenizer, mixed_files)
+    with caplog.at_level("WARNING"):
+        RLDataset(list(mixed_files), tokenizer, max_prompt_length=limit, truncation=side)
+    warned = [r.getMessage() for r in caplog.records if "generation prompt" in r.getMessage()]
+    if side != "right":  # left truncation keeps the end of the prompt, where the assistant turn begins
+        assert warned == []
+        return
+    assert len(warned) == 1, caplog.text
+    assert ("truncation='right' cut the end of 2 prompt(s) longer than max_prompt_length=" in warned[0]
+            and "'<|im_start|>assistant\\n'" in warned[0] and "truncation='left' or 'filter'" in warned[0]), warned
+
+
 def test_error_mode_names_file_row_and_lengths(tokenizer, mixed_files):
     limit, longest = _long_short_lengths(tokenizer, mixed_files)
     with pytest.raises(ValueError, match=rf"b\.jsonl' row 1: prompt has \d+ tokens > max_prompt_length={limit}"):

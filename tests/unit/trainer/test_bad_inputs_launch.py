@@ -81,6 +81,12 @@ REMOTE_TRACEBACK = ("actor_rollout_ref.update_actor failed on worker rank 1:\nra
     (RayUnavailableError("ray_init.address='h:1': nothing answered"), EXIT_RAY_UNAVAILABLE,
      "ray cluster: ray_init.address='h:1': nothing answered"),
     (KeyError("surprise"), 1, "KeyError: 'surprise'"),
+    # what Ray's memory monitor raises from ray.get on the driver (seen on a machine short of memory)
+    (__import__("ray.exceptions").exceptions.OutOfMemoryError(
+        "2 worker(s) were killed due to the node running low on memory. Memory on the node (IP: 192.0.2.2) was "
+        "22.28GB used / 23.54GB limit (0.946275)\nOOM kill reason: ..."), EXIT_WORKER_FAILED,
+     "worker failure: out of memory: 2 worker(s) were killed due to the node running low on memory. Memory on the "
+     "node (IP: 192.0.2.2) was 22.28GB used / 23.54GB limit (0.946275)"),
 ])
 def test_every_fatal_error_has_an_exit_code_and_one_line(err, code, line):
     assert failure(err) == (code, line)

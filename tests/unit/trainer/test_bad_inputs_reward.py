@@ -1,8 +1,11 @@
 """A custom reward function that raises or returns the wrong thing stops the run with an error naming
-the row, the data source and the value (never a skipped sample), and the command line maps it to
-exit code 2."""
+the step, the dataset row, the data source and the value (never a skipped sample), and the command
+line maps it to exit code 2 and prints the function's own traceback; one that never returns stops
+the run after `reward.timeout_s`."""
 
 import math
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -42,7 +45,8 @@ def _score_on_row(bad_row, bad_value):
 
 @pytest.mark.parametrize("bad_value, fragment", [
     (ZeroDivisionError("division by zero"),
-     r"reward function failed on row 1 \(data_source 'src/b'\): ZeroDivisionError: division by zero"),
+     r"reward function failed on validation, batch position 1 \(data_source 'src/b'\): "
+     r"ZeroDivisionError: division by zero"),
     ([0.1, 0.2], r"reward for row 1 \(data_source 'src/b'\) must be a finite number, got list \[0\.1, 0\.2\]"),
     (np.array([0.5, 0.5]), r"row 1 \(data_source 'src/b'\) must be a finite number, got ndarray"),
     (math.nan, r"reward for row 1 \(data_source 'src/b'\) must be finite, got nan"),
@@ -61,3 +65,66 @@ def test_good_reward_function_scores_every_row_on_its_last_token(tokenizer):
     scores, _ = RewardManager(tokenizer, _score_on_row(0, 0.25))(_batch())
     assert scores[:, 2].tolist() == [0.25, 0.5, 0.5]
     assert float(scores.sum()) == pytest.approx(1.25)
+
+
+def _indexed_batch():
+    batch = _batch()
+    index = np.empty(3, dtype=object)
+    index[:] = [40, 41, 42]
+    batch["index"] = index
+    return batch
+
+
+def test_reward_error_names_the_step_and_dataset_row_and_keeps_the_users_traceback(tokenizer, capsys, monkeypatch):
+    from omegaconf import OmegaConf
+
+    import ballast.trainer.preflight as preflight
+    from ballast.trainer import main
+
+    def broken(data_source, solution_str, ground_truth, extra_info=None):
+        if data_source == "src/c":
+            return {"score": 1.0} / 2  # the user's bug: a TypeError on this very line
+        return 0.5
+
+    with pytest.raises(RewardFunctionError, match=r"failed on step 7, dataset row 42 \(data_source 'src/c', "
+                                                  r"batch position 2\): TypeError") as info:
+        RewardManager(tokenizer, broken)(_indexed_batch(), step=7)
+    assert isinstance(info.value.__cause__, TypeError)
+
+    def raising_run(cfg, sizes, raw_config=None):
+        raise info.value
+
+    monkeypatch.setattr(main, "prepare", lambda raw: (None, None))
+    monkeypatch.setattr(main, "run", raising_run)
+    monkeypatch.setattr(preflight, "claim_run_dir", lambda cfg: (cfg, None))
+    code = main.cli_run(OmegaConf.create({}))
+    err = capsys.readouterr().err
+    assert code == EXIT_BAD_INPUT
+    assert "Traceback" in err and "in broken" in err and "{\"score\": 1.0} / 2" in err, err
+    assert err.strip().splitlines()[-1].startswith("ballast: reward function: reward function failed on step 7, "
+                                                   "dataset row 42")
+
+
+def test_reward_function_that_never_returns_stops_after_the_timeout(tokenizer):
+    release = threading.Event()
+
+    def hangs(data_source, solution_str, ground_truth, extra_info=None):
+        if data_source == "src/b":
+            release.wait(60)
+        return 0.5
+
+    manager = RewardManager(tokenizer, hangs, timeout_s=0.5)
+    start = time.monotonic()
+    try:
+        with pytest.raises(RewardFunctionError, match=r"did not return within reward\.timeout_s=0\.5s on step 3, "
+                                                      r"dataset row 41 \(data_source 'src/b'"):
+            manager(_indexed_batch(), step=3)
+    finally:
+        release.set()
+    assert time.monotonic() - start < 5
+    assert failure(RewardFunctionError("x"))[0] == EXIT_BAD_INPUT
+    # the manager still works after a timeout (a fresh helper thread), and without a limit runs inline
+    scores, _ = manager(_batch())
+    assert scores[:, 2].tolist() == [0.5, 0.5, 0.5]
+    inline = RewardManager(tokenizer, lambda *a: threading.current_thread() is threading.main_thread() and 1.0)
+    assert inline(_batch())[0][:, 2].tolist() == [1.0, 1.0, 1.0]
