@@ -41,3 +41,28 @@ def throughput_metrics(batch: Batch, step_seconds: float, num_workers: int) -> D
         "perf/throughput_tokens_per_s": tokens / max(step_seconds, 1e-9),
         "perf/throughput_tokens_per_s_per_worker": tokens / max(step_seconds, 1e-9) / num_workers,
     }
+
+
+def pop_worker_timing(batch: Batch) -> Dict[str, float]:
+    """Phase times the workers measured inside a call (`meta["metrics"]["timing_s/<phase>"]`, one value
+    per rank), removed from the batch; ranks run concurrently, so the slowest one counts."""
+    reported = batch.meta.pop("metrics", None) or {}
+    return {key[len("timing_s/"):]: float(max(values)) for key, values in reported.items()
+            if key.startswith("timing_s/") and values}
+
+
+def timing_per_token_metrics(batch: Batch, timing: Dict[str, float]) -> Dict[str, float]:
+    """`timing_per_token_ms/<phase>`: milliseconds per token of the tokens each phase processes.
+
+    Generation (and the weight sync that precedes it) per response token, every other phase per
+    token of the whole batch (prompts + responses), as verl counts them.
+    """
+    response_tokens = max(float(batch["response_mask"].sum()), 1.0)
+    all_tokens = max(float(batch["attention_mask"].sum()), 1.0)
+    out = {}
+    for phase, seconds in timing.items():
+        if phase == "step":
+            continue
+        tokens = response_tokens if phase in ("gen", "weight_sync") else all_tokens
+        out[f"timing_per_token_ms/{phase}"] = 1000.0 * seconds / tokens
+    return out

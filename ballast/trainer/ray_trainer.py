@@ -23,10 +23,11 @@ from ballast.trainer.charts import per_rank_tokens, save_balance_chart
 from ballast.trainer.checkpointing import CheckpointManager, rng_state, set_rng_state
 from ballast.trainer.config import BallastConfig, DerivedSizes
 from ballast.trainer.data_setup import RunData
-from ballast.trainer.metrics import data_metrics, throughput_metrics
+from ballast.trainer.metrics import data_metrics, pop_worker_timing, throughput_metrics, timing_per_token_metrics
 from ballast.trainer.monitor import (
     DynamicBatchVisualizer, balancer_line, micro_batch_metrics, monitor_lines, rank_load_metrics, should_report,
 )
+from ballast.workers.on_policy import is_on_policy
 from ballast.workers.train_loop import MICRO_TOKENS_KEY
 from ballast.trainer.reward import RewardManager
 from ballast.trainer.roles import Workers
@@ -50,6 +51,9 @@ class RayPPOTrainer:
         workload = cfg.trainer.balance_workload
         self.workload = FlopsModel.from_hf_config(model_config) if workload == "flops" else workload
         self.total_steps = data.total_steps
+        # One mini-batch, one epoch: no separate old-log-prob pass (see ballast.workers.on_policy).
+        self.on_policy = is_on_policy(sizes.actor.num_mini_batches, cfg.actor_rollout_ref.actor.ppo_epochs,
+                                      cfg.algorithm.use_kl_in_reward)
         self.global_step = 0
         self._nonfinite_in_a_row = 0
         self._step_view: Dict[str, object] = {}  # what the monitor needs from the current step
@@ -96,12 +100,14 @@ class RayPPOTrainer:
         with _timer(timing, "step"):
             with _timer(timing, "gen"):
                 batch = self.generate(prompts, step)
+            timing.update(pop_worker_timing(batch))
             with _timer(timing, "reward"):
                 metrics.update(self.compute_reward(batch))
             with _timer(timing, "balance"):
                 metrics.update(self.balance(batch, step))
-            with _timer(timing, "old_log_prob"):
-                metrics.update(self.compute_old_log_probs(batch))
+            if not self.on_policy:  # on-policy: the update's own forward supplies them
+                with _timer(timing, "old_log_prob"):
+                    metrics.update(self.compute_old_log_probs(batch))
             if self.sizes.use_reference:
                 with _timer(timing, "ref"):
                     batch = batch.union(self.workers.actor_rollout.compute_ref_log_prob(batch))
@@ -122,6 +128,7 @@ class RayPPOTrainer:
         self.report_monitor(step)
         metrics.update({f"timing_s/{k}": v for k, v in timing.items()})
         metrics.update(throughput_metrics(batch, timing["step"], self.workers.world_size))
+        metrics.update(timing_per_token_metrics(batch, timing))
         metrics["training/global_step"] = float(step)
         metrics["training/epoch"] = float(self.data.epoch)
         return metrics
@@ -166,6 +173,7 @@ class RayPPOTrainer:
         entropy = out.pop("entropy")["entropy"]
         batch["old_log_probs"] = out["old_log_probs"]
         metrics = {"actor/entropy": float(masked_mean(entropy, batch["response_mask"]))}
+        metrics.update({k: float(np.mean(v)) for k, v in out.meta.get("metrics", {}).items() if v})
         if "rollout_log_probs" in batch:
             # The rollout engine's log-probs of its own samples against the actor's: a direct check
             # that weight sync after every update keeps the two models identical.
