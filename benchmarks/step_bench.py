@@ -24,7 +24,9 @@ phases are the medians of its own `timing_s/*` metrics. MFU: update FLOPs (3 x f
 step's tokens, from the model's config) / (update seconds x peak), peak = `--workers` x the best
 single-thread fp32 matmul rate measured here before the runs. `--variant NAME=override,override`
 (repeatable) runs extra Ballast configurations; `--repeats R` interleaves all variants R times
-(A, B, A, B, ...) so that a loaded machine affects them alike.
+(A, B, A, B, ...) so that a loaded machine affects them alike; an item `@PATH` in a variant runs the
+Ballast source tree at PATH instead of this one (e.g. `git archive <commit>` unpacked), so a change
+can be measured against the code before it.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ from typing import Dict, List, Optional
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QS = os.path.join(ROOT, ".cache", "quickstart")
 PHASES = {  # output name -> Ballast timing_s key
-    "generate": "gen", "weight_sync": "weight_sync", "reward": "reward", "old_log_prob": "old_log_prob",
+    "generate": "gen", "weight_sync": "weight_sync", "reward": "reward", "balance": "balance",
+    "old_log_prob": "old_log_prob",
     "ref": "ref", "adv": "adv", "update": "update_actor",
 }
 
@@ -90,13 +93,13 @@ def forward_flops(model_dir: str, tokens_per_sample: float, samples: int) -> flo
 
 
 # ------------------------------------------------------------------ Ballast
-def _env(tmp: str) -> Dict[str, str]:
+def _env(tmp: str, root: str = ROOT) -> Dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", RAY_AUTH_MODE="disabled",
                RAY_USAGE_STATS_ENABLED="0", WANDB_MODE="disabled", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                VLLM_NO_USAGE_STATS="1", BALLAST_CACHE_DIR=os.path.join(ROOT, ".cache"),
                VLLM_CACHE_ROOT=os.path.join(ROOT, ".cache", "vllm"),
                TORCHINDUCTOR_CACHE_DIR=os.path.join(ROOT, ".cache", "inductor"))
-    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONPATH"] = root
     return env
 
 
@@ -126,6 +129,9 @@ def ballast_overrides(case: Case, steps: int, workers: int, out_dir: str) -> Lis
 
 
 def run_ballast(case: Case, warmup: int, steps: int, workers: int, overrides: List[str], log_dir: str) -> dict:
+    # "@PATH" runs the Ballast source tree at PATH (e.g. an export of an older commit) for an A/B.
+    root = next((o[1:] for o in overrides if o.startswith("@")), ROOT)
+    overrides = [o for o in overrides if not o.startswith("@")]
     with tempfile.TemporaryDirectory(prefix="step_bench_") as tmp:
         out_dir = os.path.join(tmp, "run")
         cmd = [sys.executable, "-m", "ballast.trainer.main", "--config-name", "quickstart",
@@ -133,7 +139,7 @@ def run_ballast(case: Case, warmup: int, steps: int, workers: int, overrides: Li
         log = os.path.join(log_dir, f"ballast_{case.name}_{int(time.time())}.log")
         start = time.perf_counter()
         with open(log, "w") as f:
-            proc = subprocess.run(cmd, cwd=ROOT, env=_env(tmp), stdout=f, stderr=subprocess.STDOUT)
+            proc = subprocess.run(cmd, cwd=ROOT, env=_env(tmp, root), stdout=f, stderr=subprocess.STDOUT)
         wall = time.perf_counter() - start
         if proc.returncode != 0:
             raise RuntimeError(f"ballast run failed (exit {proc.returncode}); see {log}")
@@ -153,7 +159,7 @@ def run_ballast(case: Case, warmup: int, steps: int, workers: int, overrides: Li
         "tokens_per_step": tokens, "tokens_per_s": tokens / step_s, "samples": samples,
         "response_length_mean": med("response_length/mean"), "score_mean": med("critic/score/mean"),
         "trainer_mfu_actor": med("perf/mfu/actor") if "perf/mfu/actor" in rows[0] else None,
-        "wall_s": wall, "log": log, "overrides": overrides,
+        "wall_s": wall, "log": log, "overrides": overrides, "source_tree": root,
     }
 
 
@@ -173,7 +179,7 @@ def trl_main(case: Case, warmup: int, steps: int, threads: int, result_path: str
 
     df = pd.read_parquet(case.train_file).head(case.prompts_per_step * (warmup + steps))
     data = Dataset.from_dict({
-        "prompt": [list(map(dict, p)) for p in df["prompt"]],
+        "prompt": [[dict(m) for m in p] for p in df["prompt"]],
         "data_source": df["data_source"].astype(str).tolist(),
         "ground_truth": [rm["ground_truth"] for rm in df["reward_model"]],
     })
@@ -272,11 +278,19 @@ def summarise(case: Case, variants: Dict[str, List[dict]], trl: List[dict], peak
         fwd = forward_flops(case.model_dir, tokens / runs[0]["samples"], runs[0]["samples"])
         mfu_update = 3.0 * fwd / (phases["update"] * peak_total) if phases["update"] > 0 else None
         mfu_lp = fwd / (phases["old_log_prob"] * peak_total) if phases["old_log_prob"] > 0.01 else None
+        # Compute floor at the measured peak: generation passes every token through the model once
+        # (prefill + decode), the update three times (forward + backward); the old-log-prob pass once
+        # unless the run skipped it.
+        floor = {"generate": fwd / peak_total, "update": 3.0 * fwd / peak_total,
+                 "old_log_prob": fwd / peak_total if phases["old_log_prob"] > 0.01 else 0.0}
+        floor["step"] = sum(floor.values())
         out["variants"][name] = {"s_per_step": s, "phases": phases, "tokens_per_s": tokens / s,
+                                 "forward_flops_per_step": fwd, "floor_s": floor, "over_floor": s / floor["step"],
                                  "mfu_update": mfu_update, "mfu_log_prob": mfu_lp, "runs": runs}
     base = out["variants"][next(iter(variants))]
     out["ballast_s_per_step"], out["phases"] = base["s_per_step"], base["phases"]
-    out["tokens_per_s"], out["mfu_update"], out["mfu_log_prob"] = base["tokens_per_s"], base["mfu_update"], base["mfu_log_prob"]
+    for key in ("tokens_per_s", "mfu_update", "mfu_log_prob", "floor_s", "over_floor"):
+        out[key] = base[key]
     out["trl_s_per_step"] = statistics.median(r["s_per_step"] for r in trl) if trl else None
     out["ratio_vs_trl"] = out["ballast_s_per_step"] / out["trl_s_per_step"] if trl else None
     out["trl_runs"] = trl
@@ -292,7 +306,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--workers", type=int, default=2, help="Ballast CPU workers (1 thread each) = TRL's threads")
-    p.add_argument("--variant", action="append", default=[], help="NAME=hydra.override,other.override")
+    p.add_argument("--trl-threads", type=int, help="TRL's torch threads (default: --workers, the same cores)")
+    p.add_argument("--variant", action="append", default=[],
+                   help="NAME=hydra.override,other.override[,@SOURCE_TREE]: an extra Ballast configuration")
     p.add_argument("--real-model-dir")
     p.add_argument("--real-train-file")
     p.add_argument("--real-reward", help="a reward name registered in ballast.data.rewards (default: per data_source)")
@@ -319,7 +335,7 @@ def main() -> None:
     peak_total = peak_1 * args.workers
     result = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_avg_start": os.getloadavg()},
               "matmul_peak_flops_per_thread": peak_1, "matmul_peak_flops_total": peak_total,
-              "workers": args.workers, "warmup": args.warmup, "steps": args.steps, "cases": [], "skipped": []}
+              "workers": args.workers, "trl_threads": args.trl_threads or args.workers, "warmup": args.warmup, "steps": args.steps, "cases": [], "skipped": []}
     for case in build_cases(args):
         if case.name == "quickstart":
             ensure_quickstart()
@@ -339,7 +355,7 @@ def main() -> None:
                     print(f"[{case.name}] ballast/{name} rep {rep}: {r['s_per_step']:.3f} s/step "
                           f"{json.dumps({k: round(v, 3) for k, v in r['phases'].items()})}", flush=True)
             if "trl" in systems:
-                trl.append(run_trl(case, args.warmup, args.steps, args.workers, args.log_dir))
+                trl.append(run_trl(case, args.warmup, args.steps, args.trl_threads or args.workers, args.log_dir))
                 print(f"[{case.name}] trl rep {rep}: {trl[-1]['s_per_step']:.3f} s/step", flush=True)
         if "ballast" in systems:
             summary = summarise(case, runs, trl, peak_total)
@@ -349,7 +365,7 @@ def main() -> None:
                        "phases": None, "mfu_update": None, "trl_runs": trl}
         result["cases"].append(summary)
         print(json.dumps({k: summary.get(k) for k in ("name", "ballast_s_per_step", "trl_s_per_step", "ratio_vs_trl",
-                                                       "phases", "mfu_update", "mfu_log_prob")}, indent=1), flush=True)
+                                                       "phases", "mfu_update", "mfu_log_prob", "floor_s")}, indent=1), flush=True)
     result["load_avg_end"] = os.getloadavg()
     if args.json:
         with open(args.json, "w") as f:
