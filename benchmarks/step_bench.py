@@ -139,7 +139,8 @@ def run_ballast(case: Case, warmup: int, steps: int, workers: int, overrides: Li
         log = os.path.join(log_dir, f"ballast_{case.name}_{int(time.time())}.log")
         start = time.perf_counter()
         with open(log, "w") as f:
-            proc = subprocess.run(cmd, cwd=ROOT, env=_env(tmp, root), stdout=f, stderr=subprocess.STDOUT)
+            # cwd = the source tree: `python -m` puts the working directory first on sys.path.
+            proc = subprocess.run(cmd, cwd=root, env=_env(tmp, root), stdout=f, stderr=subprocess.STDOUT)
         wall = time.perf_counter() - start
         if proc.returncode != 0:
             raise RuntimeError(f"ballast run failed (exit {proc.returncode}); see {log}")
