@@ -68,19 +68,14 @@ class Case:
     extra_overrides: List[str] = field(default_factory=list)
 
 
-def matmul_peak_flops(threads: int, size: int = 1024, seconds: float = 1.5) -> float:
-    """Best fp32 matmul FLOP/s of `threads` threads in this process (square `size` matrices)."""
+def matmul_peak_flops(threads: int, seconds: float = 1.5) -> float:
+    """Best fp32 matmul FLOP/s on `threads` threads, measured as the trainer's workers measure it."""
     import torch
 
+    from ballast.workers.perf import cpu_matmul_peak_flops
+
     torch._C.set_num_threads(threads)
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    best, deadline = 0.0, time.perf_counter() + seconds
-    torch.mm(a, b)
-    while time.perf_counter() < deadline:
-        start = time.perf_counter()
-        torch.mm(a, b)
-        best = max(best, 2.0 * size**3 / (time.perf_counter() - start))
-    return best
+    return cpu_matmul_peak_flops(seconds=seconds)
 
 
 def forward_flops(model_dir: str, tokens_per_sample: float, samples: int) -> float:

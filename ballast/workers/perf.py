@@ -21,8 +21,9 @@ GPU_PEAK_FLOPS = (
 )
 
 
-def cpu_matmul_peak_flops(size: int = 512, seconds: float = 0.3) -> float:
-    """Best fp32 matmul FLOP/s of this process's current torch threads (a short measurement)."""
+def cpu_matmul_peak_flops(size: int = 1024, seconds: float = 0.5) -> float:
+    """Best fp32 matmul FLOP/s of this process's current torch threads (best of repeated square
+    matmuls: on a shared machine, the rate of the least disturbed one)."""
     a, b = torch.randn(size, size), torch.randn(size, size)
     torch.mm(a, b)
     best, deadline = 0.0, time.perf_counter() + seconds
