@@ -346,19 +346,31 @@ def main() -> None:
         for rep in range(args.repeats):
             for name, overrides in variants.items():
                 if "ballast" in systems:
-                    r = run_ballast(case, args.warmup, args.steps, args.workers, overrides, args.log_dir)
+                    try:
+                        r = run_ballast(case, args.warmup, args.steps, args.workers, overrides, args.log_dir)
+                    except RuntimeError as err:  # e.g. killed by a memory-starved shared machine
+                        print(f"[{case.name}] ballast/{name} rep {rep} FAILED: {err}", flush=True)
+                        result.setdefault("failed_runs", []).append(f"{case.name}/{name}/{rep}: {err}")
+                        continue
                     runs[name].append(r)
                     print(f"[{case.name}] ballast/{name} rep {rep}: {r['s_per_step']:.3f} s/step "
                           f"{json.dumps({k: round(v, 3) for k, v in r['phases'].items()})}", flush=True)
             if "trl" in systems:
-                trl.append(run_trl(case, args.warmup, args.steps, args.trl_threads or args.workers, args.log_dir))
-                print(f"[{case.name}] trl rep {rep}: {trl[-1]['s_per_step']:.3f} s/step", flush=True)
-        if "ballast" in systems:
+                try:
+                    trl.append(run_trl(case, args.warmup, args.steps, args.trl_threads or args.workers, args.log_dir))
+                    print(f"[{case.name}] trl rep {rep}: {trl[-1]['s_per_step']:.3f} s/step", flush=True)
+                except RuntimeError as err:
+                    print(f"[{case.name}] trl rep {rep} FAILED: {err}", flush=True)
+                    result.setdefault("failed_runs", []).append(f"{case.name}/trl/{rep}: {err}")
+        runs = {k: v for k, v in runs.items() if v}
+        if "ballast" in systems and runs:
             summary = summarise(case, runs, trl, peak_total)
-        else:
+        elif trl:
             s = statistics.median(r["s_per_step"] for r in trl)
             summary = {"name": case.name, "ballast_s_per_step": None, "trl_s_per_step": s, "ratio_vs_trl": None,
                        "phases": None, "mfu_update": None, "trl_runs": trl}
+        else:
+            continue
         result["cases"].append(summary)
         print(json.dumps({k: summary.get(k) for k in ("name", "ballast_s_per_step", "trl_s_per_step", "ratio_vs_trl",
                                                        "phases", "mfu_update", "mfu_log_prob", "floor_s")}, indent=1), flush=True)
