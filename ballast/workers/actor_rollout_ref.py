@@ -133,9 +133,11 @@ class ActorRolloutRefWorker(Worker):
     @register(Dispatch.MESH, mesh="actor")
     def update_actor(self, batch: Batch) -> Dict[str, float]:
         actor = self._require(self.actor, "actor")
-        data = engine_input(batch, ("old_log_probs", "advantages", "ref_log_prob", ROLLOUT_LOG_PROBS_KEY))
+        on_policy = "old_log_probs" not in batch  # the driver skipped the old-log-prob pass
+        data = engine_input(batch, ("old_log_probs", "advantages", "ref_log_prob")
+                            + ((ROLLOUT_LOG_PROBS_KEY,) if on_policy else ()))
         train, shortcut = self.spec.actor_train, None
-        if "old_log_probs" not in data.keys():  # the driver skipped the old-log-prob pass (on-policy)
+        if on_policy:
             train, shortcut = on_policy_train_spec(train, data.batch_size[0])
         start = time.perf_counter()
         metrics = run_train_loop(actor, data, train, actor.parallel.dp_rank, "actor")
