@@ -283,12 +283,14 @@ def summarise(case: Case, variants: Dict[str, List[dict]], trl: List[dict], peak
         out["variants"][name] = {"s_per_step": s, "phases": phases, "tokens_per_s": tokens / s,
                                  "forward_flops_per_step": fwd, "floor_s": floor, "over_floor": s / floor["step"],
                                  "mfu_update": mfu_update, "mfu_log_prob": mfu_lp, "runs": runs}
-    base = out["variants"][next(iter(variants))]
-    out["ballast_s_per_step"], out["phases"] = base["s_per_step"], base["phases"]
+    # Only the default configuration does TRL's work; without it (its runs failed) no ratio is given.
+    base = out["variants"].get("default", {})
+    out["ballast_s_per_step"], out["phases"] = base.get("s_per_step"), base.get("phases")
     for key in ("tokens_per_s", "mfu_update", "mfu_log_prob", "floor_s", "over_floor"):
-        out[key] = base[key]
+        out[key] = base.get(key)
     out["trl_s_per_step"] = statistics.median(r["s_per_step"] for r in trl) if trl else None
-    out["ratio_vs_trl"] = out["ballast_s_per_step"] / out["trl_s_per_step"] if trl else None
+    out["ratio_vs_trl"] = out["ballast_s_per_step"] / out["trl_s_per_step"] \
+        if trl and out["ballast_s_per_step"] else None
     out["trl_runs"] = trl
     return out
 
