@@ -50,6 +50,7 @@ from ballast.trainer.step_plans import plan_update
 from ballast.workers.actor_rollout_ref import UPDATE_WEIGHTS_METRIC
 from ballast.workers.rollout.base import validation_call_index
 from ballast.workers.train_loop import LOG_PROB_PLAN_KEY, MICRO_TOKENS_KEY, MINI_BATCH_PLANS_KEY
+from ballast.workers.on_policy import is_on_policy
 from ballast.trainer.reward import RewardManager
 from ballast.trainer.roles import Workers
 from ballast.trainer.tracking import Tracker, format_validation, progress_postfix
@@ -81,6 +82,9 @@ class RayPPOTrainer:
         self.workload = FlopsModel.from_hf_config(model_config) if workload == "flops" else workload
         self.total_steps = data.total_steps
         self.actor_loss_cfg = actor_loss_config(cfg)
+        # One mini-batch, one epoch: no separate old-log-prob pass (see ballast.workers.on_policy).
+        self.on_policy = is_on_policy(sizes.actor.num_mini_batches, cfg.actor_rollout_ref.actor.ppo_epochs,
+                                      cfg.algorithm.use_kl_in_reward)
         self.global_step = 0
         self._nonfinite_in_a_row = 0
         self._pending_metrics: Dict[str, float] = {}  # measured after a step's row was logged
@@ -145,8 +149,9 @@ class RayPPOTrainer:
             batch = self.generate_and_score(prompts, step, timing, metrics)
             with _timer(timing, "balance"):
                 metrics.update(self.balance(batch))
-            with _timer(timing, "old_log_prob"):
-                metrics.update(self.compute_old_log_probs(batch))
+            if not self.on_policy:  # on-policy: the update's own forward supplies them
+                with _timer(timing, "old_log_prob"):
+                    metrics.update(self.compute_old_log_probs(batch))
             if self.sizes.use_reference:
                 with _timer(timing, "ref"):
                     batch = batch.union(self.workers.actor_rollout.compute_ref_log_prob(batch))
@@ -260,6 +265,7 @@ class RayPPOTrainer:
         entropy = out.pop("entropy")["entropy"]
         batch["old_log_probs"] = out["old_log_probs"]
         metrics = {"actor/entropy": float(masked_mean(entropy, batch["response_mask"]))}
+        metrics.update({k: float(np.mean(v)) for k, v in out.meta.get("metrics", {}).items() if v})
         if "rollout_log_probs" in batch:
             # The rollout engine's log-probs of its own samples against the actor's: a direct check
             # that weight sync after every update keeps the two models identical.

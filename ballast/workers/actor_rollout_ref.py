@@ -23,6 +23,8 @@ from ballast.engine import TrainEngine
 from ballast.engine.dist import init_distributed, resolve_device_type
 from ballast.protocol import METRICS_KEY, Batch
 from ballast.single_controller import Dispatch, Worker, register
+from ballast.workers.on_policy import ROLLOUT_LOG_PROBS_KEY, on_policy_train_spec
+from ballast.workers.perf import mfu_metrics, peak_flops
 from ballast.workers.rollout import build_backend, new_tp_group, tp_generate
 from ballast.workers.spec import ActorRolloutRefSpec
 from ballast.workers.train_loop import LOG_PROB_PLAN_KEY, MINI_BATCH_PLANS_KEY, run_train_loop
@@ -58,6 +60,7 @@ class ActorRolloutRefWorker(Worker):
         self.rollout = None
         self._tp_group = None
         self._weights_stale = False
+        self._peak_flops = None  # measured in init_model, for perf/mfu/*
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> Dict[str, object]:
@@ -66,6 +69,7 @@ class ActorRolloutRefWorker(Worker):
         device_type = resolve_device_type(any_engine.device if any_engine else "auto")
         init_distributed(device_type, timeout_s=spec.dist_timeout_s)
         torch.manual_seed(spec.seed)
+        self._peak_flops = peak_flops(device_type)
         if spec.actor is not None:
             self.actor = TrainEngine(spec.actor, seed=spec.seed)
             p = self.actor.parallel
@@ -115,9 +119,13 @@ class ActorRolloutRefWorker(Worker):
     def compute_log_prob(self, batch: Batch) -> Batch:
         """Old log-probs (and per-token entropy, for the metric) under the current actor."""
         actor = self._require(self.actor, "actor")
-        out = actor.infer_batch(engine_input(batch), self.spec.actor_infer, temperature=self.spec.temperature,
+        data = engine_input(batch)
+        start = time.perf_counter()
+        out = actor.infer_batch(data, self.spec.actor_infer, temperature=self.spec.temperature,
                                 calculate_entropy=True, plan=batch.meta.get(LOG_PROB_PLAN_KEY))
-        return Batch({"old_log_probs": out["log_probs"].cpu(), "entropy": out["entropy"].cpu()})
+        mfu = mfu_metrics("old_log_prob", actor, data, time.perf_counter() - start, self._peak_flops, passes=1)
+        return Batch({"old_log_probs": out["log_probs"].cpu(), "entropy": out["entropy"].cpu()},
+                     meta={"metrics": {k: [v] for k, v in mfu.items()}})
 
     @register(Dispatch.MESH, mesh="ref")
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
@@ -128,9 +136,19 @@ class ActorRolloutRefWorker(Worker):
     @register(Dispatch.MESH, mesh="actor")
     def update_actor(self, batch: Batch) -> Dict[str, float]:
         actor = self._require(self.actor, "actor")
-        data = engine_input(batch, ("old_log_probs", "advantages", "ref_log_prob"))
-        metrics = run_train_loop(actor, data, self.spec.actor_train, actor.parallel.dp_rank, "actor",
+        on_policy = "old_log_probs" not in batch  # the driver skipped the old-log-prob pass
+        data = engine_input(batch, ("old_log_probs", "advantages", "ref_log_prob")
+                            + ((ROLLOUT_LOG_PROBS_KEY,) if on_policy else ()))
+        train, shortcut = self.spec.actor_train, None
+        if on_policy:
+            train, shortcut = on_policy_train_spec(train, data.batch_size[0])
+        start = time.perf_counter()
+        metrics = run_train_loop(actor, data, train, actor.parallel.dp_rank, "actor",
                                  plans=batch.meta.get(MINI_BATCH_PLANS_KEY))
+        seconds = time.perf_counter() - start
+        if shortcut is not None and ROLLOUT_LOG_PROBS_KEY in data.keys():
+            metrics["training/rollout_actor_log_prob_diff/max"] = shortcut.diff_max(actor.parallel.dp_group)
+        metrics.update(mfu_metrics("actor", actor, data, seconds, self._peak_flops, passes=3 * train.ppo_epochs))
         self._weights_stale = self.rollout is not None
         return metrics
 

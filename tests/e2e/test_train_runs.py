@@ -114,3 +114,21 @@ def test_grpo_with_real_vllm_keeps_rollout_and_actor_in_sync(session):
     _assert_finite(metrics, REQUIRED + ["training/rollout_actor_log_prob_diff/max"])
     # step 3 samples with weights synced after two updates: vLLM and the FSDP actor agree per token
     assert metrics["training/rollout_actor_log_prob_diff/max"] < 1e-3
+
+
+def test_on_policy_step_skips_the_old_log_prob_pass_and_keeps_its_metrics(session):
+    # one mini-batch (ppo_mini_batch_size = train_batch_size) and one epoch: the update's own forward
+    # supplies the old log-probs, entropy and the rollout-vs-actor check
+    extra = ["actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.rollout.calculate_log_probs=True"]
+    with session("on_policy", *extra) as trainer:
+        assert trainer.on_policy
+        metrics = trainer.fit()
+    assert "timing_s/old_log_prob" not in metrics and "perf/mfu/old_log_prob" not in metrics
+    _assert_finite(metrics, [k for k in REQUIRED if k != "timing_s/old_log_prob"] + [
+        "training/rollout_actor_log_prob_diff/mean", "training/rollout_actor_log_prob_diff/max", "perf/mfu/actor",
+        "timing_s/update_weights", "timing_per_token_ms/gen", "timing_per_token_ms/update_actor"])
+    assert metrics["actor/ppo_kl"] == 0.0 and metrics["actor/pg_clipfrac"] == 0.0  # the ratio is exactly 1
+    assert metrics["actor/entropy"] > 0
+    # step 2 samples with the weights synced after step 1's update: rollout and actor agree per token
+    assert metrics["training/rollout_actor_log_prob_diff/max"] < 1e-3
+    assert 0 < metrics["perf/mfu/actor"] < 1.5

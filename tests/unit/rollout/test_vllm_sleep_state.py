@@ -100,7 +100,7 @@ def _worker(tmp_path, sleep_level):
     config = RolloutConfig(model_path=str(tmp_path), backend="vllm", device="cuda", free_cache_engine=True,
                            sleep_level=sleep_level, pad_token_id=0,
                            sampling=SamplingConfig(max_response_length=4, eos_token_ids=(2,), do_sample=False))
-    worker = ActorRolloutRefWorker(SimpleNamespace(actor_train=None, rollout_val_sampling=None))
+    worker = ActorRolloutRefWorker(SimpleNamespace(actor_train=SimpleNamespace(ppo_epochs=1), rollout_val_sampling=None))
     worker.actor = FakeActor()
     worker.rollout = VLLMBackend(config)
     worker.rollout.sleep()  # as init_model: the memory goes to training until the first rollout
@@ -122,7 +122,9 @@ def _update_actor(worker, monkeypatch):
         return {}
 
     monkeypatch.setattr(actor_rollout_ref, "run_train_loop", fake_train_loop)
-    worker.update_actor(Batch({"input_ids": torch.zeros(1, 3, dtype=torch.long)}))
+    monkeypatch.setattr(actor_rollout_ref, "mfu_metrics", lambda *args, **kwargs: {})
+    worker.update_actor(Batch({"input_ids": torch.zeros(1, 3, dtype=torch.long),
+                               "old_log_probs": torch.zeros(1, 3)}))
 
 
 def test_level2_reloads_weights_after_every_sleep_and_syncs_before_waking_the_cache(fake_vllm, tmp_path, monkeypatch):

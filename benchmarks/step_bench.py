@@ -1,0 +1,386 @@
+"""GRPO step time: Ballast's full step (trainer, Ray workers, vLLM) against TRL's `GRPOTrainer` on the
+same work, with Ballast's per-phase breakdown and MFU against a matmul peak measured in the same run.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/step_bench.py --json out.json
+
+Cases:
+
+* `quickstart`: the tiny Qwen2 model and synthetic repeat task of scripts/quickstart.sh (built into
+  .cache/quickstart if absent), 16 prompts x 8 samples, <= 64 new tokens, 2 optimizer steps per step.
+* `real`: any Hugging Face model directory + a train parquet (verl layout: prompt, data_source,
+  reward_model.ground_truth) + optionally a reward function name registered in `ballast.data.rewards`
+  (`--real-model-dir`, `--real-train-file`, `--real-reward`); 8 prompts x 4 samples, <= 32 new
+  tokens, 1 optimizer step per step by default. Skipped, with the reason in the JSON, when the model
+  directory or parquet file is absent.
+
+Same work on both sides: same model files, prompt rows (first rows of the parquet, no shuffle),
+reward function, samples per step, max new tokens, optimizer steps per step, lr, AdamW weight decay
+and grad clip, constant schedule, no KL, sampling temperature 1 without top-k/top-p. Ballast runs
+`--workers` CPU worker processes with one thread each (`python -m ballast.trainer.main`, as a user
+runs it); TRL runs in one process with `torch.set_num_threads(workers)`, so both use the same cores.
+
+Each system trains `--warmup + --steps` steps; s/step is the median over the last `--steps`. Ballast's
+phases are the medians of its own `timing_s/*` metrics. MFU: update FLOPs (3 x forward FLOPs of the
+step's tokens, from the model's config) / (update seconds x peak), peak = `--workers` x the best
+single-thread fp32 matmul rate measured here before the runs. `--variant NAME=override,override`
+(repeatable) runs extra Ballast configurations; `--repeats R` interleaves all variants R times
+(A, B, A, B, ...) so that a loaded machine affects them alike; an item `@PATH` in a variant runs the
+Ballast source tree at PATH instead of this one (e.g. `git archive <commit>` unpacked), so a change
+can be measured against the code before it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QS = os.path.join(ROOT, ".cache", "quickstart")
+PHASES = {  # output name -> Ballast timing_s key
+    "generate": "gen", "weight_sync": "update_weights", "reward": "reward", "balance": "balance",
+    "old_log_prob": "old_log_prob",
+    "ref": "ref", "adv": "adv", "update": "update_actor",
+}
+
+
+@dataclass
+class Case:
+    name: str
+    model_dir: str
+    train_file: str
+    prompts_per_step: int
+    samples_per_prompt: int
+    max_new_tokens: int
+    max_prompt_length: int
+    optimizer_steps_per_step: int
+    lr: float
+    max_token_len_per_worker: int
+    reward: Optional[str] = None  # None: the built-in reward of each row's data_source
+    extra_overrides: List[str] = field(default_factory=list)
+
+
+def matmul_peak_flops(threads: int, seconds: float = 1.5) -> float:
+    """Best fp32 matmul FLOP/s on `threads` threads, measured as the trainer's workers measure it."""
+    import torch
+
+    from ballast.workers.perf import cpu_matmul_peak_flops
+
+    torch._C.set_num_threads(threads)
+    return cpu_matmul_peak_flops(seconds=seconds)
+
+
+def forward_flops(model_dir: str, tokens_per_sample: float, samples: int) -> float:
+    """Forward FLOPs of `samples` sequences of the mean length (linear terms + causal attention)."""
+    from ballast.balance import FlopsModel
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        model = FlopsModel.from_hf_config(json.load(f))
+    return float(model([max(1, round(tokens_per_sample))])[0]) * samples
+
+
+# ------------------------------------------------------------------ Ballast
+def _env(tmp: str, root: str = ROOT) -> Dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", RAY_AUTH_MODE="disabled",
+               RAY_USAGE_STATS_ENABLED="0", WANDB_MODE="disabled", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               VLLM_NO_USAGE_STATS="1", BALLAST_CACHE_DIR=os.path.join(ROOT, ".cache"),
+               VLLM_CACHE_ROOT=os.path.join(ROOT, ".cache", "vllm"),
+               TORCHINDUCTOR_CACHE_DIR=os.path.join(ROOT, ".cache", "inductor"))
+    env["PYTHONPATH"] = root
+    return env
+
+
+def ballast_overrides(case: Case, steps: int, workers: int, out_dir: str) -> List[str]:
+    mini = case.prompts_per_step // case.optimizer_steps_per_step
+    overrides = [
+        f"data.train_files={case.train_file}", "data.val_files=null", "data.shuffle=false",
+        f"data.max_prompt_length={case.max_prompt_length}", f"data.max_response_length={case.max_new_tokens}",
+        f"data.train_batch_size={case.prompts_per_step}", f"actor_rollout_ref.model.path={case.model_dir}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={mini}", "actor_rollout_ref.actor.ppo_epochs=1",
+        f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={case.max_token_len_per_worker}",
+        f"actor_rollout_ref.actor.optim.lr={case.lr}", "actor_rollout_ref.actor.use_kl_loss=false",
+        f"actor_rollout_ref.rollout.n={case.samples_per_prompt}", "actor_rollout_ref.rollout.temperature=1.0",
+        "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false",
+        "trainer.device=cpu", "trainer.nnodes=1", f"trainer.n_gpus_per_node={workers}",
+        f"trainer.total_training_steps={steps}", "trainer.test_freq=-1", "trainer.val_before_train=false",
+        "trainer.save_freq=-1", "trainer.resume_mode=disable", "trainer.logger=[jsonl]",
+        f"trainer.default_local_dir={out_dir}",
+    ]
+    if case.reward:  # a two-line reward file naming the registered function, loaded as a custom reward
+        path = os.path.join(os.path.dirname(out_dir), "named_reward.py")
+        with open(path, "w") as f:
+            f.write("from ballast.data.rewards import get_reward_fn\n"
+                    f"compute_score = get_reward_fn({case.reward!r})\n")
+        overrides += [f"custom_reward_function.path={path}", "custom_reward_function.name=compute_score"]
+    return overrides + case.extra_overrides
+
+
+def run_ballast(case: Case, warmup: int, steps: int, workers: int, overrides: List[str], log_dir: str) -> dict:
+    # "@PATH" runs the Ballast source tree at PATH (e.g. an export of an older commit) for an A/B.
+    root = next((o[1:] for o in overrides if o.startswith("@")), ROOT)
+    overrides = [o for o in overrides if not o.startswith("@")]
+    with tempfile.TemporaryDirectory(prefix="step_bench_") as tmp:
+        out_dir = os.path.join(tmp, "run")
+        cmd = [sys.executable, "-m", "ballast.trainer.main", "--config-name", "quickstart",
+               *ballast_overrides(case, warmup + steps, workers, out_dir), *overrides]
+        log = os.path.join(log_dir, f"ballast_{case.name}_{int(time.time())}.log")
+        start = time.perf_counter()
+        with open(log, "w") as f:
+            # cwd = the source tree: `python -m` puts the working directory first on sys.path.
+            proc = subprocess.run(cmd, cwd=root, env=_env(tmp, root), stdout=f, stderr=subprocess.STDOUT)
+        wall = time.perf_counter() - start
+        if proc.returncode != 0:
+            raise RuntimeError(f"ballast run failed (exit {proc.returncode}); see {log}")
+        with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    rows = [r for r in rows if "timing_s/step" in r][warmup:]
+    med = lambda key: statistics.median(r.get(key, 0.0) for r in rows)  # noqa: E731
+    phases = {name: med(f"timing_s/{key}") for name, key in PHASES.items()}
+    # Weight sync runs inside the generate call; report generation without it.
+    phases["generate"] = max(0.0, phases["generate"] - phases["weight_sync"])
+    step_s = med("timing_s/step")
+    phases["other"] = max(0.0, step_s - sum(phases.values()))
+    tokens = med("perf/total_num_tokens")
+    samples = case.prompts_per_step * case.samples_per_prompt
+    return {
+        "s_per_step": step_s, "s_per_step_all": [r["timing_s/step"] for r in rows], "phases": phases,
+        "tokens_per_step": tokens, "tokens_per_s": tokens / step_s, "samples": samples,
+        "response_length_mean": med("response_length/mean"), "score_mean": med("critic/score/mean"),
+        "trainer_mfu_actor": med("perf/mfu/actor") if "perf/mfu/actor" in rows[0] else None,
+        "wall_s": wall, "log": log, "overrides": overrides, "source_tree": root,
+    }
+
+
+# ------------------------------------------------------------------ TRL
+def trl_main(case: Case, warmup: int, steps: int, threads: int, result_path: str) -> None:
+    """Runs in its own process: TRL GRPOTrainer on the case's work, per-step wall times to JSON."""
+    import torch
+
+    torch._C.set_num_threads(threads)
+    import pandas as pd
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from ballast.data.rewards import default_compute_score, get_reward_fn
+    from ballast.models.tokenizer import load_tokenizer
+
+    df = pd.read_parquet(case.train_file).head(case.prompts_per_step * (warmup + steps))
+    data = Dataset.from_dict({
+        "prompt": [[dict(m) for m in p] for p in df["prompt"]],
+        "data_source": df["data_source"].astype(str).tolist(),
+        "ground_truth": [rm["ground_truth"] for rm in df["reward_model"]],
+    })
+    score = (lambda src, text, truth: get_reward_fn(case.reward)(src, text, truth, None)) if case.reward else \
+        (lambda src, text, truth: default_compute_score(src, text, truth, None))
+
+    def reward(prompts, completions, data_source, ground_truth, **_):
+        out = []
+        for comp, src, truth in zip(completions, data_source, ground_truth):
+            text = comp[-1]["content"] if isinstance(comp, list) else comp
+            value = score(src, text, truth)
+            out.append(float(value["score"] if isinstance(value, dict) else value))
+        return out
+
+    samples = case.prompts_per_step * case.samples_per_prompt
+    args = GRPOConfig(
+        output_dir=os.path.join(os.path.dirname(result_path), "trl_out"), use_cpu=True, seed=1,
+        per_device_train_batch_size=samples // case.optimizer_steps_per_step, gradient_accumulation_steps=1,
+        steps_per_generation=case.optimizer_steps_per_step, num_generations=case.samples_per_prompt,
+        max_completion_length=case.max_new_tokens, learning_rate=case.lr, lr_scheduler_type="constant",
+        weight_decay=0.01, max_grad_norm=1.0, beta=0.0, temperature=1.0, top_k=0, top_p=1.0,
+        loss_type="dapo", scale_rewards="group", num_iterations=1, shuffle_dataset=False,
+        max_steps=(warmup + steps) * case.optimizer_steps_per_step, logging_steps=1, report_to=[],
+        save_strategy="no", bf16=False, dataloader_num_workers=0, disable_tqdm=True,
+    )
+    marks: List[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, *_a, **_k):
+            marks.append(time.perf_counter())
+
+    model = AutoModelForCausalLM.from_pretrained(case.model_dir, dtype=torch.float32)
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
+                          processing_class=load_tokenizer(case.model_dir), callbacks=[Clock()])
+    start = time.perf_counter()
+    trainer.train()
+    k = case.optimizer_steps_per_step
+    ends = [start] + marks[k - 1::k]  # end of every full step (one generation + k optimizer steps)
+    per_step = [b - a for a, b in zip(ends, ends[1:])]
+    with open(result_path, "w") as f:
+        json.dump({"per_step_s": per_step}, f)
+
+
+def run_trl(case: Case, warmup: int, steps: int, threads: int, log_dir: str) -> dict:
+    with tempfile.TemporaryDirectory(prefix="step_bench_trl_") as tmp:
+        result = os.path.join(tmp, "trl.json")
+        log = os.path.join(log_dir, f"trl_{case.name}_{int(time.time())}.log")
+        cmd = [sys.executable, os.path.abspath(__file__), "--_trl", json.dumps(asdict(case)),
+               "--warmup", str(warmup), "--steps", str(steps), "--workers", str(threads), "--_result", result]
+        env = _env(tmp)
+        env["OMP_NUM_THREADS"] = str(threads)
+        start = time.perf_counter()
+        with open(log, "w") as f:
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+        if proc.returncode != 0:
+            raise RuntimeError(f"TRL run failed (exit {proc.returncode}); see {log}")
+        with open(result) as f:
+            per_step = json.load(f)["per_step_s"][warmup:]
+    return {"s_per_step": statistics.median(per_step), "s_per_step_all": per_step,
+            "wall_s": time.perf_counter() - start, "log": log}
+
+
+# ------------------------------------------------------------------ driver
+def build_cases(args) -> List[Case]:
+    cases = []
+    if "quickstart" in args.cases:
+        cases.append(Case("quickstart", os.path.join(QS, "model"), os.path.join(QS, "data", "train.parquet"),
+                          prompts_per_step=16, samples_per_prompt=8, max_new_tokens=64, max_prompt_length=64,
+                          optimizer_steps_per_step=2, lr=1e-3, max_token_len_per_worker=1024))
+    if "real" in args.cases:
+        cases.append(Case("real", args.real_model_dir or "", args.real_train_file or "",
+                          prompts_per_step=args.real_prompts, samples_per_prompt=args.real_n,
+                          max_new_tokens=args.real_max_new_tokens, max_prompt_length=args.real_max_prompt_length,
+                          optimizer_steps_per_step=args.real_optimizer_steps, lr=args.real_lr,
+                          max_token_len_per_worker=args.real_max_token_len, reward=args.real_reward))
+    return cases
+
+
+def ensure_quickstart() -> None:
+    if os.path.isfile(os.path.join(QS, "model", "config.json")) and os.path.isfile(os.path.join(QS, "data", "train.parquet")):
+        return
+    env = _env(ROOT)
+    subprocess.run([sys.executable, "-m", "ballast.models.tiny", "--out", os.path.join(QS, "model"), "--preset", "tiny",
+                    "--seed", "0"], cwd=ROOT, env=env, check=True)
+    subprocess.run([sys.executable, "examples/data/make_synthetic.py", "--out", os.path.join(QS, "data"), "--train-size",
+                    "2048", "--val-size", "64", "--k-median", "8", "--k-max", "60", "--symbols", "#"],
+                   cwd=ROOT, env=env, check=True)
+
+
+def summarise(case: Case, variants: Dict[str, List[dict]], trl: List[dict], peak_total: float) -> dict:
+    out = {"name": case.name, "work": asdict(case), "variants": {}}
+    for name, runs in variants.items():
+        s = statistics.median(r["s_per_step"] for r in runs)
+        phases = {k: statistics.median(r["phases"][k] for r in runs) for k in runs[0]["phases"]}
+        tokens = statistics.median(r["tokens_per_step"] for r in runs)
+        fwd = forward_flops(case.model_dir, tokens / runs[0]["samples"], runs[0]["samples"])
+        mfu_update = 3.0 * fwd / (phases["update"] * peak_total) if phases["update"] > 0 else None
+        mfu_lp = fwd / (phases["old_log_prob"] * peak_total) if phases["old_log_prob"] > 0.01 else None
+        # Compute floor at the measured peak: generation passes every token through the model once
+        # (prefill + decode), the update three times (forward + backward); the old-log-prob pass once
+        # unless the run skipped it.
+        floor = {"generate": fwd / peak_total, "update": 3.0 * fwd / peak_total,
+                 "old_log_prob": fwd / peak_total if phases["old_log_prob"] > 0.01 else 0.0}
+        floor["step"] = sum(floor.values())
+        out["variants"][name] = {"s_per_step": s, "phases": phases, "tokens_per_s": tokens / s,
+                                 "forward_flops_per_step": fwd, "floor_s": floor, "over_floor": s / floor["step"],
+                                 "mfu_update": mfu_update, "mfu_log_prob": mfu_lp, "runs": runs}
+    # Only the default configuration does TRL's work; without it (its runs failed) no ratio is given.
+    base = out["variants"].get("default", {})
+    out["ballast_s_per_step"], out["phases"] = base.get("s_per_step"), base.get("phases")
+    for key in ("tokens_per_s", "mfu_update", "mfu_log_prob", "floor_s", "over_floor"):
+        out[key] = base.get(key)
+    out["trl_s_per_step"] = statistics.median(r["s_per_step"] for r in trl) if trl else None
+    out["ratio_vs_trl"] = out["ballast_s_per_step"] / out["trl_s_per_step"] \
+        if trl and out["ballast_s_per_step"] else None
+    out["trl_runs"] = trl
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--cases", default="quickstart,real")
+    p.add_argument("--systems", default="ballast,trl")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--workers", type=int, default=2, help="Ballast CPU workers (1 thread each) = TRL's threads")
+    p.add_argument("--trl-threads", type=int, help="TRL's torch threads (default: --workers, the same cores)")
+    p.add_argument("--variant", action="append", default=[],
+                   help="NAME=hydra.override,other.override[,@SOURCE_TREE]: an extra Ballast configuration")
+    p.add_argument("--real-model-dir")
+    p.add_argument("--real-train-file")
+    p.add_argument("--real-reward", help="a reward name registered in ballast.data.rewards (default: per data_source)")
+    p.add_argument("--real-prompts", type=int, default=8)
+    p.add_argument("--real-n", type=int, default=4)
+    p.add_argument("--real-max-new-tokens", type=int, default=32)
+    p.add_argument("--real-max-prompt-length", type=int, default=256)
+    p.add_argument("--real-optimizer-steps", type=int, default=1)
+    p.add_argument("--real-lr", type=float, default=1e-6)
+    p.add_argument("--real-max-token-len", type=int, default=4096)
+    p.add_argument("--log-dir", default=os.path.join(ROOT, "outputs", "step_bench"))
+    p.add_argument("--_trl", help=argparse.SUPPRESS)
+    p.add_argument("--_result", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args._trl:
+        return trl_main(Case(**json.loads(args._trl)), args.warmup, args.steps, args.workers, args._result)
+    os.makedirs(args.log_dir, exist_ok=True)
+    variants = {"default": []}
+    for spec in args.variant:
+        name, _, rest = spec.partition("=")
+        variants[name] = [o for o in rest.split(",") if o]
+    systems = args.systems.split(",")
+    peak_1 = matmul_peak_flops(1)
+    peak_total = peak_1 * args.workers
+    result = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_avg_start": os.getloadavg()},
+              "matmul_peak_flops_per_thread": peak_1, "matmul_peak_flops_total": peak_total,
+              "workers": args.workers, "trl_threads": args.trl_threads or args.workers, "warmup": args.warmup, "steps": args.steps, "cases": [], "skipped": []}
+    for case in build_cases(args):
+        if case.name == "quickstart":
+            ensure_quickstart()
+        missing = [p for p in (case.model_dir, case.train_file) if not p or not os.path.exists(p)]
+        if missing:
+            msg = f"case {case.name!r} skipped: missing {missing} (pass --real-model-dir and --real-train-file)"
+            print(msg, flush=True)
+            result["skipped"].append({"name": case.name, "reason": msg})
+            continue
+        runs: Dict[str, List[dict]] = {k: [] for k in variants}
+        trl: List[dict] = []
+        for rep in range(args.repeats):
+            for name, overrides in variants.items():
+                if "ballast" in systems:
+                    try:
+                        r = run_ballast(case, args.warmup, args.steps, args.workers, overrides, args.log_dir)
+                    except RuntimeError as err:  # e.g. killed by a memory-starved shared machine
+                        print(f"[{case.name}] ballast/{name} rep {rep} FAILED: {err}", flush=True)
+                        result.setdefault("failed_runs", []).append(f"{case.name}/{name}/{rep}: {err}")
+                        continue
+                    runs[name].append(r)
+                    print(f"[{case.name}] ballast/{name} rep {rep}: {r['s_per_step']:.3f} s/step "
+                          f"{json.dumps({k: round(v, 3) for k, v in r['phases'].items()})}", flush=True)
+            if "trl" in systems:
+                try:
+                    trl.append(run_trl(case, args.warmup, args.steps, args.trl_threads or args.workers, args.log_dir))
+                    print(f"[{case.name}] trl rep {rep}: {trl[-1]['s_per_step']:.3f} s/step", flush=True)
+                except RuntimeError as err:
+                    print(f"[{case.name}] trl rep {rep} FAILED: {err}", flush=True)
+                    result.setdefault("failed_runs", []).append(f"{case.name}/trl/{rep}: {err}")
+        runs = {k: v for k, v in runs.items() if v}
+        if "ballast" in systems and runs:
+            summary = summarise(case, runs, trl, peak_total)
+        elif trl:
+            s = statistics.median(r["s_per_step"] for r in trl)
+            summary = {"name": case.name, "ballast_s_per_step": None, "trl_s_per_step": s, "ratio_vs_trl": None,
+                       "phases": None, "mfu_update": None, "trl_runs": trl}
+        else:
+            continue
+        result["cases"].append(summary)
+        print(json.dumps({k: summary.get(k) for k in ("name", "ballast_s_per_step", "trl_s_per_step", "ratio_vs_trl",
+                                                       "phases", "mfu_update", "mfu_log_prob", "floor_s")}, indent=1), flush=True)
+    result["load_avg_end"] = os.getloadavg()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

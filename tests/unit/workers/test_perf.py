@@ -1,0 +1,38 @@
+"""MFU metrics: FLOPs from the model's FLOPs model over seconds x peak, and the peak lookup."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from ballast.balance import FlopsModel
+from ballast.workers import perf
+
+MODEL = FlopsModel(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128, vocab_size=100)
+
+
+def _engine(workload=MODEL, dp=1, sp=1):
+    parallel = SimpleNamespace(dp_size=dp, sp_size=sp, device=torch.device("cpu"), dp_group=None)
+    return SimpleNamespace(workload=workload, parallel=parallel)
+
+
+def test_mfu_is_model_flops_over_seconds_times_peak():
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    flops = 3 * float(MODEL([3, 4]).sum())
+    out = perf.mfu_metrics("actor", _engine(), {"attention_mask": mask}, seconds=2.0, peak=1e6, passes=3)
+    assert out == {"perf/mfu/actor": pytest.approx(flops / 2e6)}
+    # every rank of the mesh counts in the denominator (dp=1 here, sp=2: two ranks, the same rows)
+    out = perf.mfu_metrics("actor", _engine(sp=2), {"attention_mask": mask}, seconds=2.0, peak=1e6, passes=3)
+    assert out["perf/mfu/actor"] == pytest.approx(flops / 4e6)
+    # no FLOPs model or no peak: nothing reported rather than a made-up number
+    assert perf.mfu_metrics("actor", _engine("tokens"), {"attention_mask": mask}, 2.0, 1e6, 3) == {}
+    assert perf.mfu_metrics("actor", _engine(), {"attention_mask": mask}, 2.0, None, 3) == {}
+
+
+def test_peak_is_measured_on_cpu_and_looked_up_on_gpu(monkeypatch):
+    assert perf.cpu_matmul_peak_flops(size=64, seconds=0.05) > 1e6
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    assert perf.peak_flops("cuda") == 989e12
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Some Future GPU")
+    assert perf.peak_flops("cuda") is None
