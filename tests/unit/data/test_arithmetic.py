@@ -40,6 +40,7 @@ def test_val_split_is_held_out(tmp_path):
     (dict(kinds=("div",)), "kinds must be a non-empty subset"),
     (dict(kinds=()), "kinds must be a non-empty subset"),
     (dict(lo=50, hi=10), "need 0 <= lo <= hi"),
+    (dict(b_lo=5, b_hi=1), "0 <= b_lo <= b_hi"),
 ])
 def test_bad_task_settings_are_rejected(kwargs, match):
     with pytest.raises(ValueError, match=match):
