@@ -158,7 +158,11 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dt
     _generation_config(tokenizer, model.config).save_pretrained(out)
 
     saved = AutoModelForCausalLM.from_pretrained(str(out), dtype=getattr(torch, dtype), local_files_only=True).eval()
-    reference = gguf_model.to(getattr(torch, dtype))
+    # Cast parameters only: `.to(dtype)` would also cast buffers such as RoPE's inv_freq, which a
+    # model loaded with from_pretrained(dtype=...) keeps in float32.
+    reference = gguf_model
+    for param in reference.parameters():
+        param.data = param.data.to(getattr(torch, dtype))
     diff = max_logit_difference(saved, reference, _verification_ids(tokenizer))
     if not diff <= VERIFY_ATOL[dtype]:
         raise RuntimeError(
