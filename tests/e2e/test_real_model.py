@@ -41,7 +41,7 @@ def _overrides(task, out, *extra):
         "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
         "actor_rollout_ref.model.use_remove_padding=True",
         "actor_rollout_ref.actor.use_dynamic_bsz=True", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=256",
-        "actor_rollout_ref.actor.optim.lr=1e-5", "actor_rollout_ref.rollout.name=vllm",
+        "actor_rollout_ref.actor.optim.lr=5e-5", "actor_rollout_ref.rollout.name=vllm",
         "actor_rollout_ref.rollout.calculate_log_probs=True",
         "algorithm.adv_estimator=grpo", "trainer.device=cpu", "trainer.n_gpus_per_node=2",
         "trainer.logger=[jsonl]", "trainer.test_freq=-1", "trainer.val_before_train=false",
@@ -63,7 +63,8 @@ def test_grpo_on_the_real_model_keeps_rollout_and_actor_equal_and_honours_the_ch
     from transformers import AutoTokenizer
 
     out = run_dir(tmp_path, "real")
-    cfg, sizes = prepare_typed(load_config(_overrides(real_task, out)))
+    reward = os.path.join(os.path.dirname(__file__), "real_model_reward.py")
+    cfg, sizes = prepare_typed(load_config(_overrides(real_task, out, f"custom_reward_function.path={reward}")))
     batches = []
     with training_session(cfg, sizes) as trainer:
         generate = trainer.generate
@@ -80,9 +81,12 @@ def test_grpo_on_the_real_model_keeps_rollout_and_actor_equal_and_honours_the_ch
     assert before != pytest.approx(after, rel=1e-9, abs=0), "the real model's parameters did not change"
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     assert [r["step"] for r in rows] == [1, 2]
-    for r in rows:  # step 1: the loaded weights; step 2: after one update and a weight sync
-        assert r["training/rollout_actor_log_prob_diff/max"] < LOG_PROB_TOL, r
-        assert r["perf/micro_batch_tokens/max"] <= 256 and r["actor/grad_norm"] > 0
+    diffs = [r["training/rollout_actor_log_prob_diff/max"] for r in rows]
+    print(f"rollout-actor max |log-prob diff| per step: {diffs}; grad_norm: {[r['actor/grad_norm'] for r in rows]}")
+    # step 1: the loaded weights; step 2: after one real update (grad_norm > 0) and a weight sync
+    assert max(diffs) < LOG_PROB_TOL, diffs
+    assert all(r["actor/grad_norm"] > 0 for r in rows), [r["actor/grad_norm"] for r in rows]
+    assert all(r["perf/micro_batch_tokens/max"] <= 256 for r in rows)
     tok = AutoTokenizer.from_pretrained(real_task["model"])
     ended = 0
     for batch in batches:
