@@ -1,7 +1,8 @@
 """The GGUF conversion of the real model: a plain HF Llama directory (no quantisation entry, tied
 embeddings stored once), the chat tokenizer with <|im_end|> as eos, ids-only generation config, and
-logits verified against the GGUF-loaded model."""
+logits verified against the GGUF-loaded model (a check that sees a 1% change of one weight matrix)."""
 
+import copy
 import json
 
 import pytest
@@ -12,7 +13,7 @@ from ballast.models.from_gguf import VERIFY_ATOL, conversion_info, find_smollm2_
 
 
 @pytest.mark.slow
-def test_converted_directory_is_a_plain_llama_with_the_chat_tokenizer(smollm2_dir):
+def test_converted_directory_is_a_plain_llama_with_the_chat_tokenizer_and_verified_logits(smollm2_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     cfg = json.loads((smollm2_dir / "config.json").read_text())
@@ -39,18 +40,10 @@ def test_converted_directory_is_a_plain_llama_with_the_chat_tokenizer(smollm2_di
     assert info["gguf"] == str(find_smollm2_gguf().resolve())
     assert info["verify_max_abs_logit_diff"] <= VERIFY_ATOL["float32"] == info["verify_atol"]
     assert info["num_params"] == sum(p.numel() for p in model.parameters()) and 1.3e8 < info["num_params"] < 1.4e8
-
-
-@pytest.mark.slow
-def test_the_logit_check_sees_a_one_weight_change(smollm2_dir):
-    """The verification compares real outputs: nudging one layer's weights moves the logits past the tolerance."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(smollm2_dir)
-    a = AutoModelForCausalLM.from_pretrained(smollm2_dir).eval()
-    b = AutoModelForCausalLM.from_pretrained(smollm2_dir).eval()
+    # The verification compares real outputs: nudging one layer's weights moves the logits past the tolerance.
+    other = copy.deepcopy(model).eval()
     ids = torch.tensor([tok("What is 2 + 2?")["input_ids"]])
-    assert max_logit_difference(a, b, ids) <= VERIFY_ATOL["float32"]
+    assert max_logit_difference(model.eval(), other, ids) <= VERIFY_ATOL["float32"]
     with torch.no_grad():
-        b.model.layers[5].mlp.down_proj.weight.mul_(1.01)
-    assert max_logit_difference(a, b, ids) > VERIFY_ATOL["float32"]
+        other.model.layers[5].mlp.down_proj.weight.mul_(1.01)
+    assert max_logit_difference(model, other, ids) > VERIFY_ATOL["float32"]
