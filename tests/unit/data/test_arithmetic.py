@@ -70,3 +70,33 @@ def test_reward_rejects_a_non_integer_ground_truth():
     with pytest.raises(ValueError, match="must be an integer"):
         arithmetic_score(DATA_SOURCE, "3", "three")
     assert last_integer("x -12 y") == -12
+
+
+def _plot_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[3] / "examples" / "plot_val_curve.py"
+    spec = importlib.util.spec_from_file_location("example_plot_val_curve", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_curve_script_reads_validation_points_and_writes_the_png(tmp_path, capsys):
+    import json
+
+    run = tmp_path / "seed7"
+    run.mkdir()
+    rows = [{"step": 0, "val/score/mean": 0.25}, {"step": 1, "timing_s/step": 40.0},
+            {"step": 2, "timing_s/step": 50.0, "val/score/mean": 0.5}]
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    plot = _plot_module()
+    assert plot.main(["--out", str(tmp_path / "c.png"), str(run / "metrics.jsonl")]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary == {"run": "seed7", "first_step": 0, "first": 0.25, "last_step": 2, "last": 0.5, "gain": 0.25,
+                       "best": 0.5, "train_wall_s_to_last_val": 90.0}
+    assert (tmp_path / "c.png").stat().st_size > 1000
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "timing_s/step": 1.0}) + "\n")
+    with pytest.raises(ValueError, match="no 'val/score/mean' entries"):
+        plot.load_run(run / "metrics.jsonl")
