@@ -1,7 +1,8 @@
-"""Ulysses on the real pretrained model: SmolLM2-135M has 9 attention heads and 3 KV heads, so sp=3
+"""Ulysses and the HF export on the real pretrained model: SmolLM2-135M has 9 attention heads and 3 KV heads, so sp=3
 splits both evenly (3 query heads, 1 KV head per rank). On a (dp=1, sp=3) mesh of 3 CPU processes
 the engine's log-probs, loss and gradient equal a single-process plain-HF reference; sp=2 is a
-start-up error naming both head counts (tests/unit/trainer/test_real_model_config.py)."""
+start-up error naming both head counts (tests/e2e/test_real_model.py). The same launch exports the
+sharded model to a HF directory, which must load and compute what the source does."""
 
 from __future__ import annotations
 
@@ -64,6 +65,7 @@ def _sp3_worker(rank, world, root, model_dir):
         "num_compared": len(names), "num_ref": len(ref["grads"]),
         "sp_world": dist.get_world_size(parallel.sp_group),
     }
+    engine.export_hf(os.path.join(root, "export"))  # collective; no optimizer step ran, so weights are the source's
     gathered = [None] * world
     dist.all_gather_object(gathered, report)
     if rank == 0:
@@ -71,7 +73,7 @@ def _sp3_worker(rank, world, root, model_dir):
 
 
 @pytest.mark.slow
-def test_ulysses_sp3_on_the_real_model_equals_the_single_process_reference(problem):
+def test_ulysses_sp3_on_the_real_model_equals_the_single_process_reference_and_exports(problem):
     root, model_dir = problem
     spawn_ranks(_sp3_worker, 3, args=(root, model_dir), timeout_s=300)
     reports = torch.load(os.path.join(root, "report.pt"), weights_only=True)
@@ -81,3 +83,18 @@ def test_ulysses_sp3_on_the_real_model_equals_the_single_process_reference(probl
         loss, ref = rep["loss"]
         assert loss == pytest.approx(ref, rel=1e-5, abs=1e-6), (rank, rep)
         assert rep["grad"] < 1e-5, (rank, rep)
+    # the HF export of the FSDP-sharded real model: tied embeddings stored once, chat files copied,
+    # and it computes what the source directory computes
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    export = os.path.join(root, "export")
+    with safe_open(os.path.join(export, "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in set(f.keys())
+    assert {"chat_template.jinja", "tokenizer.json", "generation_config.json"} <= set(os.listdir(export))
+    assert AutoTokenizer.from_pretrained(export).eos_token == "<|im_end|>"
+    ids = torch.tensor([[1, 4093, 198, 1203, 314, 216, 34, 1232, 216, 34, 47, 2]])
+    with torch.no_grad():
+        got = AutoModelForCausalLM.from_pretrained(export).eval()(input_ids=ids).logits
+        want = AutoModelForCausalLM.from_pretrained(model_dir).eval()(input_ids=ids).logits
+    assert got.shape == want.shape and float((got - want).abs().max()) < 1e-4
