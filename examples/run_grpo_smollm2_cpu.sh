@@ -7,6 +7,8 @@
 #   bash examples/run_grpo_smollm2_cpu.sh                       # seed 1, 45 steps
 #   SEED=2 RUN_DIR=outputs/smollm2_seed2 bash examples/run_grpo_smollm2_cpu.sh
 #   bash examples/run_grpo_smollm2_cpu.sh trainer.total_training_steps=10   # extra hydra overrides
+# SEED changes the data order, rollout sampling and init seeds; the questions (and the 64 held-out
+# ones) are the same for every seed. BALLAST_SKIP_SETUP=1 skips scripts/setup.sh (an existing venv).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
