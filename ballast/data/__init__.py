@@ -11,8 +11,10 @@ Public API:
     repeat_score, gsm8k_score, default_compute_score, get_reward_fn, register_reward_fn,
     validate_score, load_custom_reward_fn                      # rewards
     gsm8k_rows, convert_gsm8k_file                             # GSM8K preprocessing
+    make_arithmetic_rows, write_arithmetic_dataset, arithmetic_score  # real-model arithmetic task
 """
 
+from ballast.data.arithmetic import arithmetic_score, make_arithmetic_rows, write_arithmetic_dataset
 from ballast.data.dataset import (
     TRUNCATION_MODES,
     DatasetStats,
@@ -38,6 +40,9 @@ from ballast.data.synthetic import DATA_SOURCE as REPEAT_DATA_SOURCE
 from ballast.data.synthetic import make_repeat_rows, write_repeat_dataset
 
 __all__ = [
+    "arithmetic_score",
+    "make_arithmetic_rows",
+    "write_arithmetic_dataset",
     "TRUNCATION_MODES",
     "DatasetStats",
     "PromptCollator",

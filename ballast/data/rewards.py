@@ -22,6 +22,8 @@ from collections.abc import Callable
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
+from ballast.data.arithmetic import arithmetic_score
+
 ScoreFn = Callable[..., "float | dict"]
 
 REPEAT_LENGTH_WEIGHT = 0.2
@@ -116,6 +118,7 @@ def gsm8k_score(
 _REGISTRY: dict[str, ScoreFn] = {
     "ballast/repeat": repeat_score,
     "openai/gsm8k": gsm8k_score,
+    "ballast/arithmetic": arithmetic_score,
 }
 
 

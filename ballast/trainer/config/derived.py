@@ -173,8 +173,13 @@ def _sp_size(prefix: str, sp: int, world: int, model: Optional[ModelInfo]) -> in
     if sp < 1:
         raise ConfigError(f"{key}={sp} must be >= 1")
     _divides(sp, world, key, _WORLD)
-    if model is not None:
-        _divides(sp, model.num_attention_heads, key, "the model's num_attention_heads")
+    if model is not None and model.num_attention_heads % sp:
+        # Ulysses splits attention heads over the sp ranks; KV heads are repeated when they do not split.
+        raise ConfigError(
+            f"the model's num_attention_heads={model.num_attention_heads} is not divisible by {key}={sp} "
+            f"(the model has {model.num_attention_heads} attention heads and {model.num_key_value_heads} KV heads; "
+            f"choose an sp size that divides {model.num_attention_heads})"
+        )
     return sp
 
 
