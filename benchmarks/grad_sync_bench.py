@@ -22,13 +22,14 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 
 def _rank(rank: int, world: int, args, out_path: str) -> None:
     import torch
 
     from ballast.engine import EngineConfig, MicroBatchSpec, OptimConfig, TrainEngine, agg_loss
-    from ballast.engine.testing import make_rl_batch
+    from testkit.engine import make_rl_batch
     from ballast.models import tiny_model_dir
     from engine_bench import lognormal_lengths
 
@@ -77,7 +78,7 @@ def main() -> None:
     p.add_argument("--budget", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
-    from ballast.engine.testing import spawn_ranks
+    from testkit.engine import spawn_ranks
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import transformers
 
 from ballast.engine import EngineConfig, GlobalNorm, MicroBatchSpec, TrainEngine, agg_loss
-from ballast.engine.testing import make_rl_batch, reference_log_probs, spawn_ranks
+from testkit.engine import make_rl_batch, reference_log_probs, spawn_ranks
 
 transformers.utils.logging.disable_progress_bar()
 
