@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from ballast.single_controller import Dispatch, Worker, register
-from ballast.trainer.config import load_config
+from ballast.trainer.config import derive_sizes, load_config
 from ballast.trainer.main import EXIT_WORKER_FAILED
 from ballast.trainer.ray_trainer import NonFiniteStepsError, RayPPOTrainer
 
@@ -46,11 +46,12 @@ class _FakeActorGroup:
 def _driver(tmp_path, skipped, limit, *extra):
     cfg = load_config(overrides({"model": "/m", "train": "/t.parquet", "val": "/v.parquet"}, str(tmp_path),
                                 f"trainer.max_consecutive_nonfinite_steps={limit}", "trainer.balance_workload=tokens",
+                                "trainer.balance_batch=False",  # the fake group takes no batch to plan
                                 *extra))
     data = SimpleNamespace(total_steps=10, state_dict=lambda: {"epoch": 0, "position": 0},
                            load_state_dict=lambda state: None)
     workers = SimpleNamespace(actor_rollout=_FakeActorGroup(skipped), critic=None)
-    return RayPPOTrainer(cfg, sizes=None, data=data, workers=workers, reward=None, tracker=None, model_config={})
+    return RayPPOTrainer(cfg, sizes=derive_sizes(cfg), data=data, workers=workers, reward=None, tracker=None, model_config={})
 
 
 def test_nonfinite_steps_in_a_row_stop_the_run_at_the_limit(tmp_path):
