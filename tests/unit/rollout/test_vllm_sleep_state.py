@@ -83,10 +83,10 @@ def fake_vllm(monkeypatch):
     module.inputs = inputs
     monkeypatch.setitem(sys.modules, "vllm", module)
     monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
-    # An earlier test in the same process may leave a process group initialised, which makes the
-    # backend build a distributed engine: give it the GPU rank a Ray worker would have.
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    monkeypatch.setenv("RANK", "0")
+    # An earlier test in the same pytest process (an in-process vLLM engine) may leave the default
+    # process group initialised, which would make the backend build a distributed engine: these
+    # tests are about the sleep/wake state machine of a single engine.
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
 
 
 class FakeActor:
