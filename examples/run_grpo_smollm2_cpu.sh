@@ -4,7 +4,7 @@
 # exact-answer reward. 2 DP workers, vLLM rollouts, remove-padding, dynamic batch size, balance_batch.
 # The held-out greedy score (val/score/mean, 64 questions) is logged every 5 steps to
 # $RUN_DIR/metrics.jsonl; draw it with examples/plot_val_curve.py. See README "A real pretrained model".
-#   bash examples/run_grpo_smollm2_cpu.sh                       # seed 1, 45 steps
+#   bash examples/run_grpo_smollm2_cpu.sh                       # seed 1, 30 steps
 #   SEED=2 RUN_DIR=outputs/smollm2_seed2 bash examples/run_grpo_smollm2_cpu.sh
 #   bash examples/run_grpo_smollm2_cpu.sh trainer.total_training_steps=10   # extra hydra overrides
 # SEED changes the data order, rollout sampling and init seeds; the questions (and the 64 held-out
@@ -38,4 +38,4 @@ python -m ballast.trainer.main \
   trainer.device=cpu trainer.n_gpus_per_node=2 trainer.balance_batch=True trainer.seed="$SEED" \
   trainer.logger='[console,jsonl]' trainer.project_name=ballast trainer.experiment_name="smollm2-arith-seed$SEED" \
   trainer.default_local_dir="$RUN_DIR" trainer.resume_mode=disable trainer.val_before_train=True \
-  trainer.test_freq=5 trainer.save_freq=-1 trainer.total_training_steps=45 "$@"
+  trainer.test_freq=5 trainer.save_freq=-1 trainer.total_training_steps=30 "$@"
