@@ -60,3 +60,15 @@ def smollm2_dir():
     from ballast.models.from_gguf import real_model_dir
 
     return real_model_dir("float32")
+
+
+@pytest.fixture()
+def model_copy(tmp_path):
+    """A private copy of the cached tiny model directory, for tests that damage its files."""
+    import shutil
+
+    from ballast.models import tiny_model_dir
+
+    target = tmp_path / "model"
+    shutil.copytree(tiny_model_dir(), target)
+    return target

@@ -3,20 +3,11 @@ or a shard index naming a missing file, is an error naming the file; the real ti
 so does a sharded copy of it."""
 
 import json
-import shutil
 import struct
 
 import pytest
 
-from ballast.models import tiny_model_dir
 from ballast.models.weights_check import ModelFilesError, check_model_files, check_safetensors_file
-
-
-@pytest.fixture()
-def model_copy(tmp_path):
-    target = tmp_path / "model"
-    shutil.copytree(tiny_model_dir(), target)
-    return target
 
 
 def test_intact_model_passes(model_copy):

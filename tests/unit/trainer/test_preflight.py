@@ -2,18 +2,8 @@
 exit 2 naming the file)."""
 
 import os
-import shutil
 
 import pytest
-
-from ballast.models import tiny_model_dir
-
-
-@pytest.fixture()
-def model_copy(tmp_path):
-    target = tmp_path / "model"
-    shutil.copytree(tiny_model_dir(), target)
-    return target
 
 
 def test_prepare_rejects_a_truncated_model_before_ray_with_exit_2(model_copy):
