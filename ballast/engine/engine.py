@@ -25,12 +25,12 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from ballast.balance import FlopsModel
 from ballast.engine import checkpoint as ckpt
 from ballast.engine.config import EngineConfig, MicroBatchSpec
 from ballast.engine.dist import ParallelState, build_parallel_state, init_distributed, resolve_device_type
+from ballast.engine.gather import iter_gathered
 from ballast.engine.forward import ForwardOptions, forward_micro_batch
 from ballast.engine.losses import GlobalNorm
 from ballast.engine.micro_batch import (
@@ -326,11 +326,12 @@ class TrainEngine:
         Tied weights are yielded once, under their first name (as `save_pretrained` writes them).
         """
         seen: set[int] = set()
+        unique = []
         for name, tensor in self.model.state_dict().items():
-            if id(tensor) in seen:
-                continue
-            seen.add(id(tensor))
-            yield name, (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                unique.append((name, tensor))
+        yield from iter_gathered(unique)
 
     def save_checkpoint(self, path: str) -> None:
         ckpt.save_checkpoint(path, self.model, self.optimizer, self.scheduler, self._counters())

