@@ -15,6 +15,7 @@ field fails there with its name rather than as a broadcast error deep in a loss 
 | position_ids | (B, P+R) | int64 | 0-based position of each real token |
 | response_mask | (B, R) | int64 | 1 on response tokens that count in losses (through EOS), 0 after |
 | old_log_probs | (B, R) | float32 | log-prob of each response token under the actor before the update |
+| old_log_probs_from_update | (B,) | bool | the row's old log-probs come from the update's own forward (first mini-batch) |
 | ref_log_prob | (B, R) | float32 | log-prob of each response token under the reference policy |
 | rollout_log_probs | (B, R) | float32 | log-prob reported by the rollout engine that sampled the token |
 | values | (B, R) | float32 | critic value estimate at each response token |
@@ -75,6 +76,8 @@ FIELDS: dict[str, FieldSpec] = {
         FieldSpec("position_ids", _SEQ, _I64, "0-based position of each real token"),
         FieldSpec("response_mask", _RESP, _I64, "1 on response tokens that count in losses (through EOS)"),
         FieldSpec("old_log_probs", _RESP, _F32, "response-token log-prob under the actor before the update"),
+        FieldSpec("old_log_probs_from_update", ("B",), torch.bool,
+                  "old_log_probs is a placeholder: the update's first mini-batch computes it"),
         FieldSpec("ref_log_prob", _RESP, _F32, "response-token log-prob under the reference policy"),
         FieldSpec("rollout_log_probs", _RESP, _F32, "response-token log-prob reported by the rollout engine"),
         FieldSpec("values", _RESP, _F32, "critic value estimate at each response token"),

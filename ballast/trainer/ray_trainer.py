@@ -32,6 +32,7 @@ import time
 from typing import Dict, Optional, Tuple
 
 import numpy as np
+import torch
 from tqdm import tqdm
 
 from ballast.balance import BalancePlan, FlopsModel, balance_batch, balance_metrics, plan_step, workload_costs
@@ -46,11 +47,12 @@ from ballast.trainer.data_setup import RunData
 from ballast.trainer.dynamic_sampling import count_groups, filter_metric_values, informative_groups, sampling_metrics
 from ballast.trainer.metrics import data_metrics, rollout_probs_diff_metrics, throughput_metrics, timing_metrics
 from ballast.trainer.monitor import BalanceMonitor, micro_batch_metrics, rank_load_metrics
-from ballast.trainer.step_plans import plan_update
+from ballast.trainer.old_log_probs import fill_from_update, first_mini_batch_rows, old_log_prob_metrics
+from ballast.trainer.step_plans import UpdatePlan, plan_update
 from ballast.workers.actor_rollout_ref import UPDATE_WEIGHTS_METRIC
 from ballast.workers.rollout.base import validation_call_index
-from ballast.workers.train_loop import LOG_PROB_PLAN_KEY, MICRO_TOKENS_KEY, MINI_BATCH_PLANS_KEY
-from ballast.workers.on_policy import is_on_policy
+from ballast.workers.train_loop import LOG_PROB_PLAN_KEY, MINI_BATCH_PLANS_KEY
+from ballast.workers.on_policy import FROM_UPDATE_KEY, first_mini_batch_mode
 from ballast.trainer.reward import RewardManager
 from ballast.trainer.roles import Workers
 from ballast.trainer.tracking import Tracker, format_validation, progress_postfix
@@ -82,9 +84,11 @@ class RayPPOTrainer:
         self.workload = FlopsModel.from_hf_config(model_config) if workload == "flops" else workload
         self.total_steps = data.total_steps
         self.actor_loss_cfg = actor_loss_config(cfg)
-        # One mini-batch, one epoch: no separate old-log-prob pass (see ballast.workers.on_policy).
-        self.on_policy = is_on_policy(sizes.actor.num_mini_batches, cfg.actor_rollout_ref.actor.ppo_epochs,
-                                      cfg.algorithm.use_kl_in_reward)
+        # The first mini-batch's old log-probs come from the update's own forward: no separate pass
+        # with one mini-batch, a pass over the other rows otherwise (see ballast.workers.on_policy).
+        self.old_log_prob_mode = first_mini_batch_mode(
+            sizes.actor.num_mini_batches, cfg.actor_rollout_ref.actor.ppo_epochs, cfg.algorithm.use_kl_in_reward,
+            central_plan=self._plans_centrally("actor"))
         self.global_step = 0
         self._nonfinite_in_a_row = 0
         self._pending_metrics: Dict[str, float] = {}  # measured after a step's row was logged
@@ -147,11 +151,15 @@ class RayPPOTrainer:
         metrics: Dict[str, float] = {}
         with _timer(timing, "step"):
             batch = self.generate_and_score(prompts, step, timing, metrics)
+            updates_actor = actor_updates_at(step, self.cfg.trainer.critic_warmup)
             with _timer(timing, "balance"):
                 metrics.update(self.balance(batch))
-            if not self.on_policy:  # on-policy: the update's own forward supplies them
+                actor_plan = self.plan_update(batch, "actor") if updates_actor else None
+            from_update = self.rows_from_update(actor_plan, len(batch)) if updates_actor else None
+            entropy = torch.zeros(batch["response_mask"].shape, dtype=torch.float32)
+            if from_update is None or not from_update.all():
                 with _timer(timing, "old_log_prob"):
-                    metrics.update(self.compute_old_log_probs(batch))
+                    metrics.update(self.compute_old_log_probs(batch, entropy, from_update))
             if self.sizes.use_reference:
                 with _timer(timing, "ref"):
                     batch = batch.union(self.workers.actor_rollout.compute_ref_log_prob(batch))
@@ -163,12 +171,11 @@ class RayPPOTrainer:
             if self.sizes.use_critic:
                 with _timer(timing, "update_critic"):
                     critic_batch, plan_metrics = self.central_plan(batch, "critic")
-                    critic_metrics = self.workers.critic.update_critic(critic_batch)[0]
-                    critic_metrics.pop(MICRO_TOKENS_KEY, None)
-                    metrics.update(critic_metrics, **plan_metrics)
-            if actor_updates_at(step, self.cfg.trainer.critic_warmup):
+                    metrics.update(self.workers.critic.update_critic(critic_batch)[0].metrics, **plan_metrics)
+            if updates_actor:
                 with _timer(timing, "update_actor"):
-                    metrics.update(self.update_actor(batch))
+                    metrics.update(self.update_actor(batch, actor_plan, entropy, from_update))
+        metrics.update(old_log_prob_metrics(batch, entropy))
         metrics.update(data_metrics(batch, self.cfg.data.max_response_length, self.sizes.use_critic))
         self.monitor.report(step)
         metrics.update(timing_metrics(batch, timing))
@@ -259,21 +266,54 @@ class RayPPOTrainer:
         self.monitor.record_balance(lengths, raw, balanced, dp)
         return metrics
 
-    def compute_old_log_probs(self, batch: Batch) -> Dict[str, float]:
-        out = self.workers.actor_rollout.compute_log_prob(batch)
+    def rows_from_update(self, actor_plan: Optional[UpdatePlan], num_rows: int) -> Optional[np.ndarray]:
+        """Rows (bool mask) whose old log-probs the actor update computes itself, or None."""
+        if self.old_log_prob_mode == "update":
+            return np.ones(num_rows, dtype=bool)
+        if self.old_log_prob_mode == "partial" and actor_plan is not None:
+            mask = np.zeros(num_rows, dtype=bool)
+            mask[first_mini_batch_rows(actor_plan.rows, self.sizes.actor.dp_size,
+                                       self.sizes.actor.mini_batch_samples_per_rank)] = True
+            return mask
+        return None
+
+    def compute_old_log_probs(self, batch: Batch, entropy: torch.Tensor,
+                              from_update: Optional[np.ndarray] = None) -> Dict[str, float]:
+        """The old-log-prob pass over every row not in `from_update` (those come with the update):
+        fills `batch["old_log_probs"]` and `entropy` for them."""
+        if from_update is None:
+            sub, rows = batch, np.arange(len(batch))
+        else:  # a balanced layout and plan of its own for the rows the pass covers
+            rows = np.flatnonzero(~from_update)
+            sub = batch[rows]
+            sub.meta.pop(LOG_PROB_PLAN_KEY, None)
+            order = self._layout_log_prob_pass(sub)
+            rows = rows[order]
+        out = self.workers.actor_rollout.compute_log_prob(sub)
         batch.meta.pop(LOG_PROB_PLAN_KEY, None)  # consumed: later phases plan their own
-        entropy = out.pop("entropy")["entropy"]
-        batch["old_log_probs"] = out["old_log_probs"]
-        metrics = {"actor/entropy": float(masked_mean(entropy, batch["response_mask"]))}
-        metrics.update({k: float(np.mean(v)) for k, v in out.meta.get("metrics", {}).items() if v})
-        if "rollout_log_probs" in batch:
-            # The rollout engine's log-probs of its own samples against the actor's: a direct check
-            # that weight sync after every update keeps the two models identical.
-            mask = batch["response_mask"].bool()
-            diff = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs()[mask]
-            metrics["training/rollout_actor_log_prob_diff/mean"] = float(diff.mean()) if diff.numel() else 0.0
-            metrics["training/rollout_actor_log_prob_diff/max"] = float(diff.max()) if diff.numel() else 0.0
-        return metrics
+        if from_update is None:
+            batch["old_log_probs"] = out["old_log_probs"]
+        else:
+            if "old_log_probs" not in batch:
+                batch["old_log_probs"] = torch.zeros(batch["response_mask"].shape, dtype=torch.float32)
+            batch["old_log_probs"][torch.as_tensor(rows)] = out["old_log_probs"]
+        entropy[torch.as_tensor(rows)] = out["entropy"].to(entropy.dtype)
+        return {k: float(np.mean(v)) for k, v in out.meta.get("metrics", {}).items() if v}
+
+    def _layout_log_prob_pass(self, sub: Batch) -> np.ndarray:
+        """Balance `sub` over the DP ranks for a pass of its own (in place; with dynamic batches, also
+        its central micro-batch plan); returns the order applied."""
+        lengths = sub["attention_mask"].sum(-1).numpy()
+        dp, infer = self.sizes.actor.dp_size, self.sizes.actor.infer
+        groups = sub["uid"] if self.cfg.trainer.balance_keep_groups else None
+        if infer.use_dynamic_bsz and not self.cfg.actor_rollout_ref.actor.dynamic_bsz_bucketing:
+            step_plan = plan_step(lengths, dp, infer.micro_token_budget, workload=self.workload, group_ids=groups)
+            order = step_plan.order
+            sub.meta[LOG_PROB_PLAN_KEY] = step_plan.local_micro_batches()
+        else:
+            order = balance_batch(lengths, dp, workload=self.workload, group_ids=groups).order
+        sub.reorder(order)
+        return np.asarray(order)
 
     def compute_advantages(self, batch: Batch) -> Dict[str, float]:
         alg = self.cfg.algorithm
@@ -292,30 +332,61 @@ class RayPPOTrainer:
         batch["advantages"], batch["returns"] = adv, returns
         return metrics
 
-    def central_plan(self, batch: Batch, role: str) -> tuple[Batch, Dict[str, float]]:
-        """The update batch of `role` laid out and planned centrally (every epoch's mini-batches, each
-        rank's samples and micro-batches, see `step_plans`), or `batch` unchanged when the role's
-        micro-batches are static or length-bucketed or balancing is off (its ranks then plan alone)."""
+    def _plans_centrally(self, role: str) -> bool:
+        """Whether the driver plans `role`'s update (balancing on, dynamic micro-batches, no length
+        buckets); otherwise its ranks plan alone."""
         sizes = getattr(self.sizes, role)
+        if sizes is None or sizes.train is None:
+            return False
         role_cfg = self.cfg.actor_rollout_ref.actor if role == "actor" else self.cfg.critic
         bucketed = bool(getattr(role_cfg, "dynamic_bsz_bucketing", False))
-        if not (self.cfg.trainer.balance_batch and sizes.train.use_dynamic_bsz) or bucketed:
-            return batch, {}
+        return self.cfg.trainer.balance_batch and sizes.train.use_dynamic_bsz and not bucketed
+
+    def plan_update(self, batch: Batch, role: str) -> Optional[UpdatePlan]:
+        """The central plan of `role`'s update (every epoch's mini-batches, each rank's samples and
+        micro-batches, see `step_plans`), or None when its ranks plan alone."""
+        if not self._plans_centrally(role):
+            return None
+        sizes = getattr(self.sizes, role)
+        role_cfg = self.cfg.actor_rollout_ref.actor if role == "actor" else self.cfg.critic
         groups = batch["uid"] if self.cfg.trainer.balance_keep_groups else None
-        plan = plan_update(batch["attention_mask"].sum(-1).numpy(), sizes.dp_size, sizes.mini_batch_samples,
+        return plan_update(batch["attention_mask"].sum(-1).numpy(), sizes.dp_size, sizes.mini_batch_samples,
                            sizes.train.micro_token_budget, role_cfg.ppo_epochs, role_cfg.shuffle,
                            seed=[self.cfg.trainer.seed, self.global_step, int(role == "critic")],
                            workload=self.workload, group_ids=groups)
+
+    def central_plan(self, batch: Batch, role: str,
+                     plan: Optional[UpdatePlan] = None) -> tuple[Batch, Dict[str, float]]:
+        """The update batch of `role` laid out by its central plan (`plan`, else planned now), or
+        `batch` unchanged when its ranks plan alone."""
+        plan = plan or self.plan_update(batch, role)
+        if plan is None:
+            return batch, {}
         planned = batch[plan.rows]
         planned.meta[MINI_BATCH_PLANS_KEY] = plan.plans
         return planned, {f"balance/{role}_{key}": value for key, value in plan.metrics.items()}
 
-    def update_actor(self, batch: Batch) -> Dict[str, float]:
-        actor_batch, plan_metrics = self.central_plan(batch, "actor")
-        metrics = self.workers.actor_rollout.update_actor(actor_batch)[0]
+    def update_actor(self, batch: Batch, plan: Optional[UpdatePlan] = None, entropy: Optional[torch.Tensor] = None,
+                     from_update: Optional[np.ndarray] = None) -> Dict[str, float]:
+        """The actor update; with `from_update`, those rows' old log-probs (and `entropy`) come back
+        from the update's first mini-batch and are written into `batch`."""
+        if from_update is not None:
+            if "old_log_probs" not in batch:
+                batch["old_log_probs"] = torch.zeros(batch["response_mask"].shape, dtype=torch.float32)
+            batch[FROM_UPDATE_KEY] = torch.as_tensor(from_update)
+        actor_batch, plan_metrics = self.central_plan(batch, "actor", plan)
+        results = self.workers.actor_rollout.update_actor(actor_batch)
+        if from_update is not None:
+            del batch[FROM_UPDATE_KEY]
+            update_rows = plan.rows if plan is not None else np.arange(len(batch))
+            filled = fill_from_update(batch, entropy, results, update_rows)
+            if filled != int(from_update.sum()):
+                raise RuntimeError(f"the actor update returned old log-probs for {filled} rows, "
+                                   f"expected {int(from_update.sum())}")
+        metrics = dict(results[0].metrics)
         metrics.update(plan_metrics)
         metrics.update(actor_constant_metrics(self.actor_loss_cfg))
-        micro_tokens = metrics.pop(MICRO_TOKENS_KEY, [])
+        micro_tokens = results[0].micro_batch_tokens
         self.monitor.record_micro_tokens(micro_tokens)
         metrics.update(micro_batch_metrics(micro_tokens))
         if metrics.get("actor/step_skipped", 0.0) >= 1.0:

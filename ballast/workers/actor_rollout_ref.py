@@ -23,11 +23,11 @@ from ballast.engine import TrainEngine
 from ballast.engine.dist import init_distributed, resolve_device_type
 from ballast.protocol import METRICS_KEY, Batch
 from ballast.single_controller import Dispatch, Worker, register
-from ballast.workers.on_policy import ROLLOUT_LOG_PROBS_KEY, on_policy_train_spec
+from ballast.workers.on_policy import FROM_UPDATE_KEY, ROW_INDEX_KEY, check_marked_rows, update_log_prob_train_spec
 from ballast.workers.perf import mfu_metrics, peak_flops
 from ballast.workers.rollout import build_backend, new_tp_group, tp_generate
 from ballast.workers.spec import ActorRolloutRefSpec
-from ballast.workers.train_loop import LOG_PROB_PLAN_KEY, MINI_BATCH_PLANS_KEY, run_train_loop
+from ballast.workers.train_loop import LOG_PROB_PLAN_KEY, MINI_BATCH_PLANS_KEY, UpdateResult, run_train_loop
 
 UPDATE_WEIGHTS_METRIC = "timing_s/update_weights"
 
@@ -134,23 +134,26 @@ class ActorRolloutRefWorker(Worker):
         return Batch({"ref_log_prob": out["log_probs"].cpu()})
 
     @register(Dispatch.MESH, mesh="actor")
-    def update_actor(self, batch: Batch) -> Dict[str, float]:
+    def update_actor(self, batch: Batch) -> UpdateResult:
         actor = self._require(self.actor, "actor")
-        on_policy = "old_log_probs" not in batch  # the driver skipped the old-log-prob pass
-        data = engine_input(batch, ("old_log_probs", "advantages", "ref_log_prob")
-                            + ((ROLLOUT_LOG_PROBS_KEY,) if on_policy else ()))
-        train, shortcut = self.spec.actor_train, None
-        if on_policy:
-            train, shortcut = on_policy_train_spec(train, data.batch_size[0])
+        plans = batch.meta.get(MINI_BATCH_PLANS_KEY)
+        train, wrapper = self.spec.actor_train, None
+        extra = ("old_log_probs", "advantages", "ref_log_prob")
+        if FROM_UPDATE_KEY in batch:  # the driver left these rows' old log-probs to the update
+            check_marked_rows(batch[FROM_UPDATE_KEY], train.mini_batch_samples_per_rank, train.ppo_epochs,
+                              shuffled_per_rank=plans is None and train.shuffle)
+            batch[ROW_INDEX_KEY] = torch.arange(len(batch))
+            train, wrapper = update_log_prob_train_spec(train)
+            extra += (FROM_UPDATE_KEY, ROW_INDEX_KEY)
+        data = engine_input(batch, extra)
         start = time.perf_counter()
-        metrics = run_train_loop(actor, data, train, actor.parallel.dp_rank, "actor",
-                                 plans=batch.meta.get(MINI_BATCH_PLANS_KEY))
+        result = run_train_loop(actor, data, train, actor.parallel.dp_rank, "actor", plans=plans)
         seconds = time.perf_counter() - start
-        if shortcut is not None and ROLLOUT_LOG_PROBS_KEY in data.keys():
-            metrics["training/rollout_actor_log_prob_diff/max"] = shortcut.diff_max(actor.parallel.dp_group)
-        metrics.update(mfu_metrics("actor", actor, data, seconds, self._peak_flops, passes=3 * train.ppo_epochs))
+        if wrapper is not None:
+            result.update_log_probs = wrapper.collect()
+        result.metrics.update(mfu_metrics("actor", actor, data, seconds, self._peak_flops, passes=3 * train.ppo_epochs))
         self._weights_stale = self.rollout is not None
-        return metrics
+        return result
 
     # ------------------------------------------------------------------ checkpoints
     @register(Dispatch.ONE_TO_ALL)

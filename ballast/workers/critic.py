@@ -13,7 +13,7 @@ from ballast.protocol import Batch
 from ballast.single_controller import Dispatch, Worker, register
 from ballast.workers.actor_rollout_ref import engine_input
 from ballast.workers.spec import CriticSpec
-from ballast.workers.train_loop import MINI_BATCH_PLANS_KEY, run_train_loop
+from ballast.workers.train_loop import MINI_BATCH_PLANS_KEY, UpdateResult, run_train_loop
 
 
 class CriticWorker(Worker):
@@ -37,7 +37,7 @@ class CriticWorker(Worker):
         return Batch({"values": out["values"].cpu()})
 
     @register(Dispatch.MESH, mesh="critic")
-    def update_critic(self, batch: Batch) -> Dict[str, float]:
+    def update_critic(self, batch: Batch) -> UpdateResult:
         data = engine_input(batch, ("values", "returns"))
         return run_train_loop(self.critic, data, self.spec.train, self.critic.parallel.dp_rank, "critic",
                               plans=batch.meta.get(MINI_BATCH_PLANS_KEY))

@@ -14,6 +14,7 @@ has already cut, shuffled and laid out the mini-batches of every epoch: mini-bat
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional
 
 import numpy as np
@@ -44,11 +45,20 @@ def adaptive_grad_clip(grad_clip: float, num_samples: int, min_batch_size: int |
     return grad_clip * num_samples / min_batch_size
 
 
-MICRO_TOKENS_KEY = "micro_batch_tokens_per_rank"
 MINI_BATCH_PLANS_KEY = "mini_batch_plans"
 # The driver's central plan of the old-log-prob pass (the whole step as one mini-batch), in meta.
 LOG_PROB_PLAN_KEY = "log_prob_micro_batch_plan"
 GIB = 1024**3
+
+
+@dataclass
+class UpdateResult:
+    """What one `update_*` call returns to the driver (from every DP rank's collect worker)."""
+
+    metrics: Dict[str, float]            # averaged over mini-batches; identical on every DP rank
+    micro_batch_tokens: List[List[int]]  # real tokens of every micro-batch, one list per DP rank
+    # the actor's log-probs of the rows whose old log-probs came from the update (see workers.on_policy)
+    update_log_probs: Optional[object] = None
 
 
 def memory_metrics() -> Dict[str, float]:
@@ -79,11 +89,11 @@ def _planned_mini_batches(num_samples: int, mini_batch_samples: int, plans: list
 
 
 def run_train_loop(engine, data: TensorDict, spec: TrainLoopSpec, dp_rank: int, prefix: str,
-                   plans: Optional[list] = None) -> Dict[str, object]:
+                   plans: Optional[list] = None) -> UpdateResult:
     """Train on `data` (this rank's share of the step), planning per rank or following `plans`.
 
-    Returns metrics averaged over mini-batches, plus, under `MICRO_TOKENS_KEY`, the real tokens of
-    every micro-batch each DP rank ran during the whole update (one list per DP rank).
+    Returns metrics averaged over mini-batches and the real tokens of every micro-batch each DP rank
+    ran during the whole update (one list per DP rank).
     """
     history: Dict[str, List[float]] = defaultdict(list)
     micro_tokens: List[List[int]] = []
@@ -117,8 +127,7 @@ def run_train_loop(engine, data: TensorDict, spec: TrainLoopSpec, dp_rank: int, 
             history[f"{prefix}/grad_clip_effective"].append(clip)
     engine.lr_scheduler_step()
     history.update({k: [v] for k, v in memory_metrics().items()})
-    result: Dict[str, object] = {key: float(np.mean(values)) for key, values in history.items()}
+    result: Dict[str, float] = {key: float(np.mean(values)) for key, values in history.items()}
     if skipped_total is not None:  # a running count: its mean over mini-batches would mean nothing
         result[f"{prefix}/skipped_steps_total"] = float(skipped_total)
-    result[MICRO_TOKENS_KEY] = micro_tokens
-    return result
+    return UpdateResult(result, micro_tokens)

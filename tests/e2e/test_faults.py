@@ -18,6 +18,7 @@ from ballast.single_controller import Dispatch, Worker, register
 from ballast.trainer.config import derive_sizes, load_config
 from ballast.trainer.main import EXIT_WORKER_FAILED
 from ballast.trainer.ray_trainer import NonFiniteStepsError, RayPPOTrainer
+from ballast.workers.train_loop import UpdateResult
 
 from e2e_helpers import overrides
 
@@ -31,7 +32,8 @@ class _FakeActorGroup:
         self.saved, self.loaded = [], []
 
     def update_actor(self, batch):
-        return [{"actor/step_skipped": self.skipped.pop(0), "actor/pg_loss": 0.1, "actor/num_micro_batches": 2.0}]
+        return [UpdateResult({"actor/step_skipped": self.skipped.pop(0), "actor/pg_loss": 0.1,
+                              "actor/num_micro_batches": 2.0}, [])]
 
     def save_checkpoint(self, path):
         self.saved.append(path)

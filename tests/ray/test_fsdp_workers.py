@@ -59,12 +59,12 @@ def test_two_worker_actor_matches_the_engine_run_directly(ray_session, model_dir
         old = group.compute_log_prob(batch)
         batch["advantages"] = torch.randn(batch["responses"].shape, generator=torch.Generator().manual_seed(2)) \
             * batch["response_mask"]
-        remote_metrics = group.update_actor(batch)[0]
+        remote_metrics = group.update_actor(batch)[0].metrics
         # second update: the driver's central plan (which rank runs what, in which micro-batches)
         plan = plan_update(batch["attention_mask"].sum(-1).numpy(), 2, 8, 64, 1, shuffle=False, seed=0)
         planned = batch[plan.rows]
         planned.meta[MINI_BATCH_PLANS_KEY] = plan.plans
-        central_metrics = group.update_actor(planned)[0]
+        central_metrics = group.update_actor(planned)[0].metrics
         remote_fingerprint = group.actor_state_fingerprint()
     finally:
         group.kill()
@@ -75,9 +75,9 @@ def test_two_worker_actor_matches_the_engine_run_directly(ray_session, model_dir
     direct = engine.infer_batch(engine_input(batch), spec.actor_infer, calculate_entropy=True)
     torch.testing.assert_close(old["old_log_probs"], direct["log_probs"], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(old["entropy"], direct["entropy"], rtol=1e-5, atol=1e-5)
-    local = run_train_loop(engine, engine_input(batch, ("old_log_probs", "advantages")), spec.actor_train, 0, "actor")
+    local = run_train_loop(engine, engine_input(batch, ("old_log_probs", "advantages")), spec.actor_train, 0, "actor").metrics
     local_second = run_train_loop(engine, engine_input(batch, ("old_log_probs", "advantages")), spec.actor_train, 0,
-                                  "actor")
+                                  "actor").metrics
     for key in ("actor/pg_loss", "actor/grad_norm", "actor/ppo_kl", "actor/pg_clipfrac"):
         assert remote_metrics[key] == pytest.approx(local[key], rel=1e-4, abs=1e-6), key
         assert central_metrics[key] == pytest.approx(local_second[key], rel=1e-4, abs=1e-6), key

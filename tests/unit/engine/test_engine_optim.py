@@ -56,6 +56,29 @@ def test_non_finite_gradient_step_is_skipped_and_leaves_state_alone():
     assert not torch.equal(p.detach(), torch.ones(4)) and sched.last_epoch == 1
 
 
+def test_cpu_optimizer_is_the_fused_kernel_and_matches_the_reference_adamw():
+    torch.manual_seed(0)
+    init = [torch.randn(33, 7), torch.randn(7)]
+    grads = [[torch.randn_like(t) for t in init] for _ in range(5)]
+    cfg = OptimConfig(lr=0.01, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-6)
+
+    def run(make):
+        params = [torch.nn.Parameter(t.clone()) for t in init]
+        opt = make(params)
+        for step_grads in grads:
+            for p, g in zip(params, step_grads):
+                p.grad = g.clone()
+            opt.step()
+        return opt, [p.detach() for p in params]
+
+    ours, got = run(lambda ps: build_optimizer(ps, cfg))
+    assert ours.defaults["fused"] is True
+    _, want = run(lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-6,
+                                               foreach=False))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from ballast.workers.train_loop import UpdateResult
 from ballast.protocol import Batch
 from ballast.workers import actor_rollout_ref
 from ballast.workers.actor_rollout_ref import ActorRolloutRefWorker
@@ -123,7 +124,7 @@ def _served(worker) -> int:
 def _update_actor(worker, monkeypatch):
     def fake_train_loop(actor, data, spec, dp_rank, prefix, **kwargs):
         actor.version += 1
-        return {}
+        return UpdateResult({}, [])
 
     monkeypatch.setattr(actor_rollout_ref, "run_train_loop", fake_train_loop)
     monkeypatch.setattr(actor_rollout_ref, "mfu_metrics", lambda *args, **kwargs: {})

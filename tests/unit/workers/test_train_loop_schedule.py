@@ -39,7 +39,7 @@ def test_schedule_steps_once_per_update_call(schedule):
     spec = _spec(mini_batch=2, epochs=2)  # 4 mini-batches x 2 epochs = 8 optimizer steps per update call
     for step in range(12):
         engine.seen_lrs.clear()
-        metrics = run_train_loop(engine, data, spec, dp_rank=0, prefix="actor")
+        metrics = run_train_loop(engine, data, spec, dp_rank=0, prefix="actor").metrics
         expected = LR * lr_factor(step, optim)
         assert engine.seen_lrs == pytest.approx([expected] * 8), step
         assert metrics["actor/lr"] == pytest.approx(expected)
@@ -60,6 +60,6 @@ def test_skipped_steps_total_is_the_running_count_not_a_mean():
         return out
 
     engine.forward_backward_batch = nan_on_first
-    metrics = run_train_loop(engine, data, _spec(mini_batch=1, epochs=1), dp_rank=0, prefix="actor")
+    metrics = run_train_loop(engine, data, _spec(mini_batch=1, epochs=1), dp_rank=0, prefix="actor").metrics
     assert metrics["actor/skipped_steps_total"] == 1.0
     assert metrics["actor/step_skipped"] == pytest.approx(0.25)

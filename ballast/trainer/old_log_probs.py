@@ -1,0 +1,55 @@
+"""Driver side of the old log-probs: which rows the separate pass covers, filling in the rows the
+actor update computed (see `ballast.workers.on_policy`), and the pass's metrics over every row.
+
+Rows are positions in the step batch (after balancing). The update batch is `batch[update_rows]`,
+cut into equal contiguous chunks, one per DP rank; inside a chunk the first
+`mini_batch_samples_per_rank` rows are that rank's first mini-batch.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Sequence
+
+import numpy as np
+import torch
+
+from ballast.protocol import Batch
+from ballast.trainer.algorithms import masked_mean
+
+
+def first_mini_batch_rows(update_rows: np.ndarray, dp: int, mini_batch_samples_per_rank: int) -> np.ndarray:
+    """Step-batch rows that every DP rank trains in its first mini-batch (epoch 0), sorted."""
+    if len(update_rows) % dp:
+        raise AssertionError(f"{len(update_rows)} update rows do not split into {dp} equal chunks")
+    per_rank = len(update_rows) // dp
+    chunks = np.asarray(update_rows).reshape(dp, per_rank)
+    return np.sort(chunks[:, :mini_batch_samples_per_rank].reshape(-1))
+
+
+def fill_from_update(batch: Batch, entropy: torch.Tensor, results: Sequence, update_rows: np.ndarray) -> int:
+    """Write the log-probs and entropies that each DP rank's update returned into `batch` and
+    `entropy` (in place); returns how many rows were filled."""
+    per_rank = len(update_rows) // len(results)
+    filled = 0
+    for rank, result in enumerate(results):
+        got = result.update_log_probs
+        if got is None:
+            continue
+        rows = np.asarray(update_rows)[rank * per_rank + np.asarray(got.rows, dtype=np.int64)]
+        index = torch.as_tensor(rows, dtype=torch.long)
+        batch["old_log_probs"][index] = got.old_log_probs.to(batch["old_log_probs"].dtype)
+        entropy[index] = got.entropy.to(entropy.dtype)
+        filled += len(rows)
+    return filled
+
+
+def old_log_prob_metrics(batch: Batch, entropy: torch.Tensor) -> Dict[str, float]:
+    """`actor/entropy` (token mean over the step) and, when the rollout reported its own log-probs,
+    the rollout-vs-actor difference: a direct check that weight sync keeps the two models identical."""
+    metrics = {"actor/entropy": float(masked_mean(entropy, batch["response_mask"]))}
+    if "rollout_log_probs" in batch:
+        mask = batch["response_mask"].bool()
+        diff = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs()[mask]
+        metrics["training/rollout_actor_log_prob_diff/mean"] = float(diff.mean()) if diff.numel() else 0.0
+        metrics["training/rollout_actor_log_prob_diff/max"] = float(diff.max()) if diff.numel() else 0.0
+    return metrics
