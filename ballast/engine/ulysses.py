@@ -63,26 +63,18 @@ def _heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return out.permute(1, 0, 2, 3, 4).reshape(b, sp * hl, tt // sp, d)
 
 
-class _SeqToHeads(torch.autograd.Function):
+class _AllToAll(torch.autograd.Function):
+    """One of the two layout changes; its gradient is the other one (they are exact inverses)."""
+
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _seq_to_heads(x, group)
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, to_heads: bool) -> torch.Tensor:
+        ctx.group, ctx.to_heads = group, to_heads
+        return (_seq_to_heads if to_heads else _heads_to_seq)(x, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _heads_to_seq(grad.contiguous(), ctx.group), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _heads_to_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _seq_to_heads(grad.contiguous(), ctx.group), None
+        inverse = _heads_to_seq if ctx.to_heads else _seq_to_heads
+        return inverse(grad.contiguous(), ctx.group), None, None
 
 
 def seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -90,12 +82,12 @@ def seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     sp = dist.get_world_size(group)
     if x.shape[1] % sp:
         raise ValueError(f"Ulysses needs the head count ({x.shape[1]}) divisible by sp={sp}")
-    return _SeqToHeads.apply(x, group)
+    return _AllToAll.apply(x, group, True)
 
 
 def heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Autograd all-to-all, inverse of `seq_to_heads`: (B, H / sp, T_pad, D) -> (B, H, T_local, D)."""
-    return _HeadsToSeq.apply(x, group)
+    return _AllToAll.apply(x, group, False)
 
 
 def repeat_kv_for_sp(kv: torch.Tensor, num_q_heads: int, sp: int) -> torch.Tensor:

@@ -2,6 +2,8 @@
 
 import pytest
 
+from testkit.e2e import write_tiny_task
+
 
 @pytest.fixture(scope="session")
 def e2e_ray(ray_session):
@@ -10,11 +12,6 @@ def e2e_ray(ray_session):
 
 @pytest.fixture(scope="session")
 def tiny_task(tmp_path_factory):
-    from ballast.data import write_repeat_dataset
-    from ballast.models import tiny_model_dir
-
-    data_dir = tmp_path_factory.mktemp("repeat")
-    paths = write_repeat_dataset(str(data_dir), train_size=64, val_size=8, seed=0, k_median=6, k_max=20)
-    return {"model": str(tiny_model_dir()), "train": str(paths["train"]), "val": str(paths["val"])}
+    return write_tiny_task(tmp_path_factory.mktemp("repeat"))
 
 

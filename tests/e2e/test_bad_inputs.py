@@ -17,7 +17,7 @@ from ballast.data import write_jsonl
 from ballast.trainer.config import compose
 from ballast.trainer.main import EXIT_RAY_UNAVAILABLE, cli_run
 
-from e2e_helpers import overrides
+from testkit.e2e import overrides
 
 
 def _row(content, index=0, **fields):

@@ -6,7 +6,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,7 +19,7 @@ from ballast.trainer.main import EXIT_WORKER_FAILED
 from ballast.trainer.ray_trainer import NonFiniteStepsError, RayPPOTrainer
 from ballast.workers.train_loop import UpdateResult
 
-from e2e_helpers import overrides
+from testkit.e2e import killed_on_exit, last_line, latest_step, overrides, start_trainer, wait_for
 
 SECRETS = {"WANDB_API_KEY": "wandb-secret-3f9a1c", "HF_TOKEN": "hf_secret_77b2e0", "OPENAI_API_KEY": "sk-secret-0d4e"}
 
@@ -108,43 +107,26 @@ def test_rank_failing_after_its_peer_died_reports_the_death(e2e_ray):
 
 # ---------------------------------------------------------------------- kill a worker, then resume
 def _trainer(task, run_dir, *extra):
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(SECRETS, RAY_AUTH_MODE="disabled", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    args = overrides(task, run_dir, "actor_rollout_ref.rollout.n=2", "trainer.save_freq=1", "ray_init.num_cpus=2",
-                     "trainer.worker_timeout_s=60", *extra)
-    return subprocess.Popen([sys.executable, "-m", "ballast.trainer.main", *args], cwd=run_dir, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _latest_step(run_dir):
-    marker = Path(run_dir, "latest_checkpointed_iteration.txt")
-    return int(marker.read_text().strip()) if marker.is_file() and marker.read_text().strip() else 0
+    return start_trainer(task, run_dir, "trainer.save_freq=1", "trainer.worker_timeout_s=60", *extra, env=SECRETS)
 
 
 @pytest.mark.slow
 def test_killed_worker_stops_the_run_naming_the_rank_and_resume_continues(tiny_task, tmp_path):
     run_dir = str(tmp_path / "faulty")
     os.makedirs(run_dir)
-    proc = _trainer(tiny_task, run_dir, "trainer.total_training_steps=3")
-    try:
-        deadline = time.monotonic() + 240
-        while _latest_step(run_dir) < 1 and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert proc.poll() is None, f"the run ended before the kill:\n{proc.communicate()[1][-3000:]}"
+    with killed_on_exit(_trainer(tiny_task, run_dir, "trainer.total_training_steps=3")) as proc:
+        wait_for(lambda: latest_step(run_dir) >= 1, proc, 240, "the first checkpoint")
         victim = json.load(open(os.path.join(run_dir, "workers.json")))[1]
         os.kill(victim["pid"], signal.SIGKILL)
         killed_at = time.monotonic()
         _, stderr = proc.communicate(timeout=90)
         exit_s = time.monotonic() - killed_at
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     assert proc.returncode == EXIT_WORKER_FAILED, stderr[-3000:]
     assert exit_s < 60, f"the driver took {exit_s:.0f}s to notice (trainer.worker_timeout_s=60)"
-    reason = [line for line in stderr.splitlines() if line.startswith("ballast: ")]
-    assert reason and re.search(r"worker failure: actor_rollout_ref\.\w+: worker rank 1 died", reason[-1]), stderr[-3000:]
-    saved = _latest_step(run_dir)
+    reason = last_line(stderr)
+    assert reason.startswith("ballast: ") and re.search(r"worker failure: actor_rollout_ref\.\w+: worker rank 1 died",
+                                                        reason), stderr[-3000:]
+    saved = latest_step(run_dir)
     assert saved >= 1 and os.path.isfile(os.path.join(run_dir, f"global_step_{saved}", "trainer_state.json"))
 
     logged_before = [json.loads(line)["step"] for line in open(os.path.join(run_dir, "metrics.jsonl"))]

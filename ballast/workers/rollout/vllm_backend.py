@@ -38,15 +38,8 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from .base import (
-    RolloutConfig,
-    SamplingConfig,
-    resolve_special_tokens,
-    sampling_seed,
-    start_generate_call,
-    stop_ids_for,
-)
-from .postprocess import build_rollout_output
+from .base import RolloutConfig, SamplingConfig, resolve_special_tokens, sampling_seed
+from .calls import close_call, open_call
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
@@ -177,10 +170,11 @@ class VLLMBackend:
 
         return list(get_tp_group().ranks)
 
-    def _sampling_params(self, sampling: SamplingConfig, num_rows: int, call_index: int) -> list:
+    def _sampling_params(
+        self, sampling: SamplingConfig, stop: tuple[int, ...], num_rows: int, call_index: int
+    ) -> list:
         from vllm import SamplingParams
 
-        stop = stop_ids_for(sampling, self.eos_token_ids)
         common = dict(
             n=1,
             max_tokens=sampling.max_response_length,
@@ -206,9 +200,8 @@ class VLLMBackend:
     ) -> TensorDict:
         from vllm.inputs import TokensPrompt
 
-        call = start_generate_call(self, prompts, sampling, call_index)
+        call, stop = open_call(self, prompts, sampling, call_index)
         sampling, call_index, token_lists = call.sampling, call.call_index, call.token_lists
-        input_ids, attention_mask, position_ids = call.input_ids, call.attention_mask, call.position_ids
         for row, tokens in enumerate(token_lists):
             if len(tokens) + sampling.max_response_length > self.max_model_len:
                 raise ValueError(
@@ -219,7 +212,7 @@ class VLLMBackend:
         responses: list[list[int]] = []
         log_probs: list[list[float]] | None = [] if sampling.calculate_log_probs else None
         if token_lists:
-            params = self._sampling_params(sampling, len(token_lists), call_index)
+            params = self._sampling_params(sampling, stop, len(token_lists), call_index)
             outputs = self.llm.generate(
                 [TokensPrompt(prompt_token_ids=t) for t in token_lists], params, use_tqdm=False
             )
@@ -229,16 +222,7 @@ class VLLMBackend:
                 responses.append(tokens)
                 if log_probs is not None:
                     log_probs.append([step[t].logprob for step, t in zip(completion.logprobs, tokens)])
-        return build_rollout_output(
-            input_ids,
-            attention_mask,
-            position_ids,
-            responses,
-            log_probs,
-            pad_token_id=self.pad_token_id,
-            stop_token_ids=stop_ids_for(sampling, self.eos_token_ids),
-            response_length=sampling.max_response_length if sampling.pad_to_max_response_length else None,
-        )
+        return close_call(self, call, stop, responses, log_probs)
 
     def prompt_log_probs(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """Teacher-forced log p(token_t | tokens_<t), t >= 1, from raw logits (TP: call in lockstep)."""

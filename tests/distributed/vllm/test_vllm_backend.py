@@ -9,8 +9,8 @@ import torch.distributed as dist
 
 from ballast.protocol.fields import check_fields
 from ballast.workers.rollout import RolloutConfig, SamplingConfig, build_backend, iter_full_tensors, load_weights
-from ballast.workers.rollout.hf_backend import apply_sampling_filters
 from testkit.prompts import left_padded_prompts
+from testkit.rollout import filtered_log_probs
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
@@ -91,13 +91,9 @@ def test_sampled_log_probs_match_the_filtered_distribution(engine, hf):
     second = engine.generate(make_prompts(), sampling)
     assert not torch.equal(first["responses"], second["responses"])  # call index enters the seeds
     assert not torch.equal(first["responses"][1], first["responses"][4])  # per-row seeds: n > 1 differs
-    with torch.no_grad():
-        for i, prompt in enumerate(PROMPTS):
-            seq = first["input_ids"][i][first["attention_mask"][i].bool()]
-            logits = hf.model(seq[None], use_cache=False).logits[0, len(prompt) - 1:-1]
-            expected = torch.log_softmax(apply_sampling_filters(logits, sampling), -1)
-            expected = expected.gather(1, seq[len(prompt):, None])[:, 0]
-            assert torch.allclose(first["rollout_log_probs"][i], expected, atol=1e-4)
+    for i, prompt in enumerate(PROMPTS):
+        expected = filtered_log_probs(hf.model, first, i, len(prompt), sampling)
+        assert torch.allclose(first["rollout_log_probs"][i], expected, atol=1e-4)
 
 
 def test_bad_requests_are_rejected(engine):

@@ -10,6 +10,7 @@ from ballast.workers.rollout import RolloutConfig, SamplingConfig, build_backend
 from ballast.workers.rollout.base import RolloutBackend
 from ballast.workers.rollout.hf_backend import apply_sampling_filters
 from testkit.prompts import left_padded_prompts
+from testkit.rollout import filtered_log_probs
 
 PROMPTS = [[5, 6, 7, 8], [9], [10, 11], [12, 13, 14, 15, 16, 17], [9]]
 
@@ -98,15 +99,10 @@ def test_sampling_log_probs_use_the_filtered_distribution(backend, hf_reference_
     sampling = SamplingConfig(max_response_length=6, temperature=0.7, top_k=20, top_p=0.9, seed=11,
                               eos_token_ids=(), calculate_log_probs=True)
     out = backend.generate(make_prompts(), sampling)
-    with torch.no_grad():
-        for i in range(len(PROMPTS)):
-            seq = out["input_ids"][i][out["attention_mask"][i].bool()]
-            logits = hf_reference_model(seq[None], use_cache=False).logits[0]
-            plen = len(PROMPTS[i])
-            filtered = apply_sampling_filters(logits[plen - 1:-1], sampling)
-            expected = torch.log_softmax(filtered, -1).gather(1, seq[plen:, None])[:, 0]
-            assert torch.isfinite(expected).all()  # every sampled token survived top-k/top-p
-            assert out["rollout_log_probs"][i].tolist() == pytest.approx(expected.tolist(), abs=1e-4)
+    for i, prompt in enumerate(PROMPTS):
+        expected = filtered_log_probs(hf_reference_model, out, i, len(prompt), sampling)
+        assert torch.isfinite(expected).all()  # every sampled token survived top-k/top-p
+        assert out["rollout_log_probs"][i].tolist() == pytest.approx(expected.tolist(), abs=1e-4)
 
 
 def test_sampling_is_seeded_per_call_and_leaves_global_rng_alone(backend):

@@ -1,0 +1,91 @@
+"""End-to-end run helpers: the tiny task, override lists for a fast 2-worker GRPO on it, and the pieces
+the command-line tests share (start the trainer as a subprocess, wait on it, read what it left)."""
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def write_tiny_task(data_dir):
+    """The tiny model and a small repeat task (64 train and 8 val rows) written under `data_dir`, as
+    {"model", "train", "val"} paths."""
+    from ballast.data import write_repeat_dataset
+    from ballast.models import tiny_model_dir
+
+    paths = write_repeat_dataset(str(data_dir), train_size=64, val_size=8, seed=0, k_median=6, k_max=20)
+    return {"model": str(tiny_model_dir()), "train": str(paths["train"]), "val": str(paths["val"])}
+
+
+def overrides(task, run_dir, *extra):
+    """A fast 2-worker GRPO configuration on the tiny task."""
+    return [
+        f"actor_rollout_ref.model.path={task['model']}", f"data.train_files={task['train']}",
+        f"data.val_files={task['val']}", f"trainer.default_local_dir={run_dir}",
+        "data.max_prompt_length=32", "data.max_response_length=24", "data.train_batch_size=4",
+        "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.actor.use_dynamic_bsz=True", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=128",
+        "actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.rollout.name=hf",
+        "algorithm.adv_estimator=grpo", "trainer.device=cpu", "trainer.n_gpus_per_node=2",
+        "trainer.logger=[jsonl]", "trainer.test_freq=-1", "trainer.val_before_train=false",
+        "trainer.resume_mode=disable", "trainer.total_training_steps=2", "trainer.worker_timeout_s=600",
+        *extra,
+    ]
+
+
+def run_dir(tmp_path, name):
+    path = os.path.join(str(tmp_path), name)
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def start_trainer(task, run_dir, *extra, env=None):
+    """`python -m ballast.trainer.main` on the tiny task (n=2, 2 Ray CPUs) in `run_dir`, with `env`
+    added to this process's environment; stdout and stderr are piped as text."""
+    # Without RAY_ADDRESS the run starts its own local Ray instead of joining the test session's.
+    full_env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    full_env.update(env or {}, RAY_AUTH_MODE="disabled", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    args = overrides(task, run_dir, "actor_rollout_ref.rollout.n=2", "ray_init.num_cpus=2", *extra)
+    return subprocess.Popen([sys.executable, "-m", "ballast.trainer.main", *args], cwd=run_dir, env=full_env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@contextlib.contextmanager
+def killed_on_exit(proc):
+    """Kill `proc` if it is still running when the block ends, so a failed assertion leaves no run behind."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def wait_for(condition, proc, timeout_s, what):
+    """Poll `condition` until it holds; fail if `proc` ends first or `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert proc.poll() is None, f"the run ended before {what}:\n{proc.communicate()[1][-3000:]}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s}s"
+        time.sleep(0.1)
+
+
+def last_line(stderr):
+    """The last `ballast: ` line of a run's stderr (its one-line verdict), or the tail when there is none."""
+    lines = [line for line in stderr.splitlines() if line.startswith("ballast: ")]
+    return lines[-1] if lines else stderr[-2000:]
+
+
+def latest_step(run_dir):
+    """The step of the run's latest checkpoint, 0 before the first one."""
+    marker = Path(run_dir, "latest_checkpointed_iteration.txt")
+    return int(marker.read_text().strip()) if marker.is_file() and marker.read_text().strip() else 0
+
+
+def logged_steps(run_dir):
+    """The steps in the run's metrics.jsonl, in order ([] before the first one)."""
+    path = Path(run_dir, "metrics.jsonl")
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
