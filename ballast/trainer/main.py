@@ -291,8 +291,9 @@ def _is_remote_exception(err: BaseException) -> bool:
     return type(err) is WorkerError
 
 
-def cli_run(raw: DictConfig) -> int:
-    """Validate and run one composed config; returns the process exit code (see the module docstring)."""
+def cli_run(raw: DictConfig, exiting: bool = False) -> int:
+    """Validate and run one composed config; returns the process exit code (see the module docstring).
+    `exiting`: the process exits right after (the command line): late signals are ignored."""
     from ballast.trainer.preflight import claim_run_dir
 
     lock = None
@@ -323,7 +324,7 @@ def cli_run(raw: DictConfig) -> int:
         print(f"ballast: {reason}", file=sys.stderr, flush=True)
         return code
     finally:
-        signals.uninstall()
+        signals.uninstall(exiting=exiting)
         if lock is not None:
             lock.release()
 
@@ -337,7 +338,7 @@ def _user_cause(err: BaseException) -> Optional[BaseException]:
 
 @hydra.main(config_path="../configs", config_name="ppo_trainer", version_base=None)
 def _hydra_main(raw: DictConfig) -> None:
-    code = cli_run(raw)
+    code = cli_run(raw, exiting=True)
     if code:
         sys.exit(code)
 

@@ -50,8 +50,11 @@ def reinstall() -> None:
         install(_state["save_first"])
 
 
-def uninstall() -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+def uninstall(exiting: bool = False) -> None:
+    """Back to the defaults. `exiting`: the process ends next (the command line, its outcome decided),
+    so a SIGTERM from now on is ignored: under the default action it would kill the process during
+    interpreter teardown, with no `ballast:` line and a signal instead of the run's exit code."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN if exiting else signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     _state.update(save_first=False, pending=None, last=None, installed=False)
 

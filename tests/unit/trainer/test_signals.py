@@ -53,3 +53,15 @@ def test_a_plain_keyboard_interrupt_after_sigterm_counts_as_terminated():
     assert signals.was_terminated(KeyboardInterrupt())  # what Ray raises in place of the handler's exception
     signals.uninstall()
     assert not signals.was_terminated(KeyboardInterrupt())
+
+
+def test_a_sigterm_after_the_command_line_run_ended_is_ignored_not_fatal():
+    # between the end of the run and the end of the process (lock release, interpreter teardown) a
+    # SIGTERM under the default action would kill the process with no line and a signal for exit code
+    signals.install(save_first=False)
+    signals.uninstall(exiting=True)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    os.kill(os.getpid(), signal.SIGTERM)
+    signal.sigtimedwait([], 0.01)  # survives
+    signals.uninstall()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
