@@ -58,7 +58,7 @@ class CriticModelConfig(ModelConfig):
 
 
 @dataclass(frozen=True)
-class OptimConfig:
+class OptimSection:
     lr: float
     betas: List[float]
     weight_decay: float
@@ -120,7 +120,7 @@ class ActorConfig:
     kl_loss_coef: float
     kl_loss_type: str
     policy_loss: PolicyLossConfig
-    optim: OptimConfig
+    optim: OptimSection
     fsdp_config: FSDPConfig
 
 
@@ -143,7 +143,7 @@ class ValKwargs:
 
 
 @dataclass(frozen=True)
-class RolloutConfig:
+class RolloutSection:
     name: str
     mode: str
     temperature: float
@@ -179,7 +179,7 @@ class ActorRolloutRefConfig:
     model: ModelConfig
     actor: ActorConfig
     ref: RefConfig
-    rollout: RolloutConfig
+    rollout: RolloutSection
 
 
 @dataclass(frozen=True)
@@ -201,7 +201,7 @@ class CriticConfig:
     cliprange_value: float
     loss_agg_mode: str
     loss_scale_factor: Optional[float]
-    optim: OptimConfig
+    optim: OptimSection
     fsdp_config: FSDPConfig
 
 
