@@ -8,7 +8,6 @@ import pytest
 from ballast.trainer.config import (
     BallastConfig, ConfigError, ModelInfo, check_config, compose, derive_sizes, load_config,
 )
-from ballast.trainer.config import schema
 
 REQUIRED = ["data.train_files=/data/train.parquet", "actor_rollout_ref.model.path=/models/tiny"]
 # A small valid layout: 4 workers, 8 prompts x 4 samples, static micro-batches.
@@ -28,7 +27,7 @@ def _cfg(*overrides, base=BASE):
 
 
 def _field_tree(cls):
-    hints = typing.get_type_hints(cls, vars(schema))
+    hints = typing.get_type_hints(cls)
     tree = {}
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
