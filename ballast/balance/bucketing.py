@@ -18,11 +18,17 @@ from .micro_batch import min_micro_batches, order_by_decreasing_cost, plan_dynam
 from .workload import Workload, _as_lengths, workload_costs
 
 
-def bucket_ids(prompt_lengths: Sequence[int] | np.ndarray, boundaries: Sequence[int]) -> np.ndarray:
-    """Bucket of each sample: 0 for prompts <= boundaries[0], ..., len(boundaries) beyond the last."""
+def check_bucket_boundaries(boundaries: Sequence[int]) -> np.ndarray:
+    """`boundaries` as an int64 array, or a ValueError unless they are positive and strictly increasing."""
     bounds = np.asarray(boundaries, dtype=np.int64)
     if bounds.ndim != 1 or bounds.size == 0 or np.any(bounds <= 0) or np.any(np.diff(bounds) <= 0):
         raise ValueError(f"bucket_boundaries={list(boundaries)} must be positive and strictly increasing")
+    return bounds
+
+
+def bucket_ids(prompt_lengths: Sequence[int] | np.ndarray, boundaries: Sequence[int]) -> np.ndarray:
+    """Bucket of each sample: 0 for prompts <= boundaries[0], ..., len(boundaries) beyond the last."""
+    bounds = check_bucket_boundaries(boundaries)
     return np.searchsorted(bounds, _as_lengths(prompt_lengths), side="left").astype(np.int64)
 
 

@@ -16,7 +16,7 @@ Every model is evaluated in int64/float64: ``L**2`` for a 1M-token sequence is 1
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Sequence, Union
+from typing import Any, Literal, Mapping, Sequence, Union, get_args
 
 import numpy as np
 
@@ -116,7 +116,10 @@ class FlopsModel:
         )
 
 
-Workload = Union[str, FlopsModel]
+# The named workloads; a FlopsModel instance is the third kind (built from a model config by the caller).
+WorkloadName = Literal["tokens", "verl"]
+WORKLOAD_NAMES: tuple[str, ...] = get_args(WorkloadName)
+Workload = Union[WorkloadName, FlopsModel]
 
 
 def _get(cfg: Any, key: str, default: Any) -> Any:
@@ -152,4 +155,4 @@ def workload_costs(lengths: Sequence[int] | np.ndarray, model: Workload = "token
     if model == "verl":
         # int64 before squaring: (1M)**2 = 1e12 overflows int32 but not int64.
         return (VERL_LINEAR_COEFF * tokens + tokens * tokens).astype(np.float64)
-    raise ValueError(f"unknown workload model {model!r}: expected 'tokens', 'verl' or a FlopsModel")
+    raise ValueError(f"unknown workload model {model!r}: expected one of {WORKLOAD_NAMES} or a FlopsModel")

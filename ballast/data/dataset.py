@@ -18,6 +18,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, get_args
 
 import numpy as np
 import torch
@@ -26,7 +27,8 @@ from ballast.data.io import read_rows
 
 logger = logging.getLogger(__name__)
 
-TRUNCATION_MODES = ("error", "left", "right", "middle", "filter")
+Truncation = Literal["error", "left", "right", "middle", "filter"]
+TRUNCATION_MODES: tuple[str, ...] = get_args(Truncation)
 NON_TENSOR_KEYS = ("data_source", "reward_model", "ground_truth", "extra_info", "index", "ability", "raw_prompt")
 
 
@@ -62,7 +64,7 @@ class RLDataset(torch.utils.data.Dataset):
         tokenizer,
         *,
         max_prompt_length: int = 1024,
-        truncation: str = "error",
+        truncation: Truncation = "error",
         prompt_key: str = "prompt",
         chat_template_kwargs: dict | None = None,
     ):

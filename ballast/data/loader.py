@@ -64,7 +64,7 @@ class StatefulDataLoader:
         prefetch_factor: int | None = None,
         persistent_workers: bool = False,
     ):
-        _validate_knobs(batch_size, num_workers, prefetch_factor, persistent_workers)
+        check_loader_knobs(batch_size, num_workers, prefetch_factor, persistent_workers)
         num_samples = len(dataset)
         if drop_last and num_samples < batch_size:
             raise ValueError(
@@ -143,7 +143,8 @@ class StatefulDataLoader:
         self._sampler.shuffle = bool(state.get("shuffle", self._sampler.shuffle))
 
 
-def _validate_knobs(batch_size, num_workers, prefetch_factor, persistent_workers) -> None:
+def check_loader_knobs(batch_size, num_workers, prefetch_factor, persistent_workers) -> None:
+    """The loader's rules on its settings (the trainer also calls this at start-up, before reading data)."""
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     if not isinstance(num_workers, int) or num_workers < 0:

@@ -1,18 +1,38 @@
 """Frozen configuration objects of the training engine.
 
-The trainer validates its hydra config once and builds these; the engine never mutates them. Every
-field that has a unit carries it in its name (`*_per_gpu`, `*_tokens`, `*_steps`).
+The trainer builds these from its config at start-up; the engine never mutates them. Every field
+that has a unit carries it in its name (`*_per_gpu`, `*_tokens`, `*_steps`). Each rule about a field
+is checked here and nowhere else: an invalid value raises `SpecError`, which names the field so that
+the trainer can report the config key it came from.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
-ROLES = ("actor", "critic", "ref")
-LR_SCHEDULES = ("constant", "cosine")
-DEVICES = ("auto", "cpu", "cuda")
-ATTN_BACKENDS = ("auto", "sdpa", "flash")
-PRECISIONS = ("auto", "fp32", "bf16")
+from ballast.balance.bucketing import check_bucket_boundaries
+
+# The allowed values of each choice field, stated once; the tuples are read back from the types.
+Role = Literal["actor", "critic", "ref"]
+LrSchedule = Literal["constant", "cosine"]
+Device = Literal["auto", "cpu", "cuda"]
+AttnBackend = Literal["auto", "sdpa", "flash"]
+Precision = Literal["auto", "fp32", "bf16"]
+ROLES: tuple[str, ...] = get_args(Role)
+LR_SCHEDULES: tuple[str, ...] = get_args(LrSchedule)
+DEVICES: tuple[str, ...] = get_args(Device)
+ATTN_BACKENDS: tuple[str, ...] = get_args(AttnBackend)
+PRECISIONS: tuple[str, ...] = get_args(Precision)
+
+
+class SpecError(ValueError):
+    """An invalid field of a frozen spec. `field` is the field's name, so that a caller that built the
+    spec from its own settings can say which of them was wrong."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True)
@@ -28,23 +48,23 @@ class OptimConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.01
-    lr_schedule: str = "constant"
+    lr_schedule: LrSchedule = "constant"
     warmup_steps: int = 0
     total_steps: int | None = None
     min_lr_ratio: float = 0.0
 
     def __post_init__(self) -> None:
         if self.lr < 0:
-            raise ValueError(f"optim.lr must be >= 0, got {self.lr}")
+            raise SpecError("lr", f"optim.lr must be >= 0, got {self.lr}")
         if self.lr_schedule not in LR_SCHEDULES:
-            raise ValueError(f"optim.lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
+            raise SpecError("lr_schedule", f"optim.lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
         if self.warmup_steps < 0:
-            raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+            raise SpecError("warmup_steps", f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+            raise SpecError("min_lr_ratio", f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.lr_schedule == "cosine":
             if self.total_steps is None or self.total_steps <= self.warmup_steps:
-                raise ValueError(
+                raise SpecError("lr_schedule",
                     f"optim.lr_schedule='cosine' needs optim.total_steps > optim.warmup_steps, "
                     f"got total_steps={self.total_steps}, warmup_steps={self.warmup_steps}"
                 )
@@ -61,12 +81,12 @@ class EngineConfig:
     """
 
     model_path: str
-    role: str = "actor"
+    role: Role = "actor"
     use_remove_padding: bool = True
     ulysses_sequence_parallel_size: int = 1
-    device: str = "auto"
-    precision: str = "auto"
-    attn_backend: str = "auto"
+    device: Device = "auto"
+    precision: Precision = "auto"
+    attn_backend: AttnBackend = "auto"
     enable_activation_checkpointing: bool = False
     cpu_offload: bool = False
     reshard_after_forward: bool = True
@@ -76,26 +96,26 @@ class EngineConfig:
     trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"engine role must be one of {ROLES}, got {self.role!r}")
-        if self.device not in DEVICES:
-            raise ValueError(f"engine device must be one of {DEVICES}, got {self.device!r}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"engine precision must be one of {PRECISIONS}, got {self.precision!r}")
-        if self.attn_backend not in ATTN_BACKENDS:
-            raise ValueError(f"engine attn_backend must be one of {ATTN_BACKENDS}, got {self.attn_backend!r}")
+        for name, allowed in (("role", ROLES), ("device", DEVICES), ("precision", PRECISIONS),
+                              ("attn_backend", ATTN_BACKENDS)):
+            value = getattr(self, name)
+            if value not in allowed:
+                raise SpecError(name, f"engine {name} must be one of {allowed}, got {value!r}")
         sp = self.ulysses_sequence_parallel_size
         if not isinstance(sp, int) or sp < 1:
-            raise ValueError(f"ulysses_sequence_parallel_size must be an int >= 1, got {sp!r}")
+            raise SpecError("ulysses_sequence_parallel_size",
+                            f"ulysses_sequence_parallel_size must be an int >= 1, got {sp!r}")
         if sp > 1 and not self.use_remove_padding:
-            raise ValueError(
+            raise SpecError(
+                "ulysses_sequence_parallel_size",
                 f"ulysses_sequence_parallel_size={sp} needs use_remove_padding=True "
-                "(Ulysses slices the packed token sequence)"
+                "(Ulysses slices the packed token sequence)",
             )
         if self.grad_clip is not None and self.grad_clip <= 0:
-            raise ValueError(f"grad_clip must be > 0 or None, got {self.grad_clip}")
+            raise SpecError("grad_clip", f"grad_clip must be > 0 or None, got {self.grad_clip}")
         if self.logprob_chunk_tokens < 1:
-            raise ValueError(f"logprob_chunk_tokens must be >= 1, got {self.logprob_chunk_tokens}")
+            raise SpecError("logprob_chunk_tokens",
+                            f"logprob_chunk_tokens must be >= 1, got {self.logprob_chunk_tokens}")
 
     @property
     def trainable(self) -> bool:
@@ -122,20 +142,25 @@ class MicroBatchSpec:
         if self.bucket_boundaries is not None:
             bounds = tuple(int(b) for b in self.bucket_boundaries)
             if not self.use_dynamic_bsz:
-                raise ValueError("MicroBatchSpec.bucket_boundaries needs use_dynamic_bsz=True")
-            if not bounds or any(b <= 0 for b in bounds) or any(a >= b for a, b in zip(bounds, bounds[1:])):
-                raise ValueError(f"bucket_boundaries={list(bounds)} must be positive and strictly increasing")
+                raise SpecError("use_dynamic_bsz", f"bucket_boundaries={list(bounds)} needs use_dynamic_bsz=True "
+                                "(buckets split dynamic micro-batches), got use_dynamic_bsz=False")
+            try:
+                check_bucket_boundaries(bounds)
+            except ValueError as err:
+                raise SpecError("bucket_boundaries", str(err)) from None
             object.__setattr__(self, "bucket_boundaries", bounds)
         if self.use_dynamic_bsz:
             if self.max_token_len_per_gpu is None or self.max_token_len_per_gpu < 1:
-                raise ValueError(
+                raise SpecError(
+                    "max_token_len_per_gpu",
                     "MicroBatchSpec(use_dynamic_bsz=True) needs max_token_len_per_gpu >= 1, "
-                    f"got {self.max_token_len_per_gpu!r}"
+                    f"got {self.max_token_len_per_gpu!r}",
                 )
         elif self.micro_batch_size_per_gpu is None or self.micro_batch_size_per_gpu < 1:
-            raise ValueError(
+            raise SpecError(
+                "micro_batch_size_per_gpu",
                 "MicroBatchSpec(use_dynamic_bsz=False) needs micro_batch_size_per_gpu >= 1, "
-                f"got {self.micro_batch_size_per_gpu!r}"
+                f"got {self.micro_batch_size_per_gpu!r} (or set use_dynamic_bsz=True)",
             )
 
     def token_budget(self, sp_size: int) -> int:

@@ -122,8 +122,6 @@ def forward_micro_batch(
     labels = responses[slots.rows, slots.cols]
     if opts.use_remove_padding:
         per_slot = _forward_packed(model, micro, slots, labels, opts, parallel)
-    else:
-        if parallel is not None and parallel.sp_size > 1:
-            raise ValueError("Ulysses sequence parallelism needs use_remove_padding=True")
+    else:  # SP > 1 never gets here: EngineConfig requires use_remove_padding=True for it
         per_slot = _forward_padded(model, micro, slots, labels, opts)
     return {key: padding.scatter_response(v, slots, batch, response_len) for key, v in per_slot.items()}

@@ -1,46 +1,67 @@
 """Turn the validated config + derived sizes into the frozen specs the workers are built from.
 
 This is the only place where config keys meet engine/rollout/worker objects, so the mapping of each
-verl key to what it controls can be read in one file.
+verl key to what it controls can be read in one file. The engine and rollout specs check their own
+fields; `build` reports a failed check as a `ConfigError` naming the config key that fed the field.
+`check_config` builds these specs once at start-up, so their errors come before any worker starts.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from ballast.engine import EngineConfig, MicroBatchSpec
-from ballast.engine import OptimConfig as EngineOptim
+from ballast.engine import EngineConfig, OptimConfig
 from ballast.trainer.algorithms.policy_loss import ActorLossConfig, CriticLossConfig, actor_loss, critic_loss
-from ballast.trainer.config import BallastConfig, DerivedSizes, MicroBatching
-from ballast.trainer.config.schema import OptimConfig
+from ballast.trainer.config import BallastConfig, DerivedSizes
+from ballast.trainer.config.keys import build
+from ballast.trainer.config.schema import OptimSection
 from ballast.trainer.reward import OverlongBuffer
 from ballast.workers.rollout import RolloutConfig, SamplingConfig
 from ballast.workers.spec import ActorRolloutRefSpec, CriticSpec, TrainLoopSpec
 
 GIB = 1 << 30
+# Config prefix of each engine role, and of the model section it loads.
+ROLE_PREFIX = {"actor": "actor_rollout_ref.actor", "ref": "actor_rollout_ref.ref", "critic": "critic"}
+MODEL_PREFIX = {"actor": "actor_rollout_ref.model", "ref": "actor_rollout_ref.model", "critic": "critic.model"}
+ROLLOUT = "actor_rollout_ref.rollout"
 
 
-def engine_optim(optim: OptimConfig, total_steps: int) -> EngineOptim:
+@dataclass(frozen=True)
+class WorkerSpecs:
+    """Everything the worker groups are constructed from; `critic` is None without a critic."""
+
+    actor_rollout_ref: ActorRolloutRefSpec
+    critic: Optional[CriticSpec]
+
+
+def worker_specs(cfg: BallastConfig, sizes: DerivedSizes, total_steps: int) -> WorkerSpecs:
+    """Every worker spec, or the first `ConfigError` (naming a config key) met on the way."""
+    return WorkerSpecs(actor_rollout_ref_spec(cfg, sizes, total_steps),
+                       critic_spec(cfg, sizes, total_steps) if sizes.critic is not None else None)
+
+
+def engine_optim(optim: OptimSection, total_steps: int, prefix: str = "optim") -> OptimConfig:
+    """The engine's optimizer spec from the `<prefix>` section (e.g. `critic.optim`)."""
     total = optim.total_training_steps if optim.total_training_steps > 0 else total_steps
     # verl: lr_warmup_steps <= 0 falls back to the ratio; warmup_style (deprecated) overrides lr_scheduler_type.
     warmup = optim.lr_warmup_steps if optim.lr_warmup_steps > 0 else int(optim.lr_warmup_steps_ratio * total)
-    schedule = optim.warmup_style if optim.warmup_style is not None else optim.lr_scheduler_type
-    return EngineOptim(lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay,
-                       lr_schedule=schedule, warmup_steps=warmup, total_steps=total,
-                       min_lr_ratio=optim.min_lr_ratio)
-
-
-def micro_spec(mb: MicroBatching, bucket_boundaries=None) -> MicroBatchSpec:
-    return MicroBatchSpec(use_dynamic_bsz=mb.use_dynamic_bsz, micro_batch_size_per_gpu=mb.micro_batch_size_per_gpu,
-                          max_token_len_per_gpu=mb.max_token_len_per_gpu,
-                          bucket_boundaries=tuple(bucket_boundaries) if bucket_boundaries else None)
+    schedule_key = "warmup_style" if optim.warmup_style is not None else "lr_scheduler_type"
+    keys = {"lr": f"{prefix}.lr", "lr_schedule": f"{prefix}.{schedule_key}",
+            "warmup_steps": f"{prefix}.lr_warmup_steps", "min_lr_ratio": f"{prefix}.min_lr_ratio"}
+    return build(keys, OptimConfig, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay,
+                 lr_schedule=getattr(optim, schedule_key), warmup_steps=warmup, total_steps=total,
+                 min_lr_ratio=optim.min_lr_ratio)
 
 
 def _engine(cfg: BallastConfig, role: str, model, sp: int, grad_clip: Optional[float], optim, fsdp) -> EngineConfig:
-    return EngineConfig(
-        model_path=model.path, role=role, use_remove_padding=model.use_remove_padding,
+    prefix = ROLE_PREFIX[role]
+    keys = {"device": "trainer.device", "ulysses_sequence_parallel_size": f"{prefix}.ulysses_sequence_parallel_size",
+            "grad_clip": f"{prefix}.grad_clip", "model_path": f"{MODEL_PREFIX[role]}.path"}
+    return build(
+        keys, EngineConfig, model_path=model.path, role=role, use_remove_padding=model.use_remove_padding,
         ulysses_sequence_parallel_size=sp, device=cfg.trainer.device,
         enable_activation_checkpointing=model.enable_gradient_checkpointing,
         # FSDP2 CPU offload: verl's offload_policy; for the optimizer-less reference also its param_offload.
@@ -54,23 +75,29 @@ def _engine(cfg: BallastConfig, role: str, model, sp: int, grad_clip: Optional[f
 def sampling_configs(cfg: BallastConfig) -> Tuple[SamplingConfig, SamplingConfig]:
     """(training sampling, validation sampling) from `actor_rollout_ref.rollout`."""
     r = cfg.actor_rollout_ref.rollout
-    train = SamplingConfig(
-        temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_response_length=r.response_length,
-        do_sample=r.do_sample, ignore_eos=r.ignore_eos, pad_to_max_response_length=True,
-        calculate_log_probs=r.calculate_log_probs, seed=r.seed,
-    )
+    keys = {k: f"{ROLLOUT}.{k}" for k in ("temperature", "top_p", "top_k", "seed")}
+    train = build({**keys, "max_response_length": f"{ROLLOUT}.response_length"}, SamplingConfig,
+                  temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_response_length=r.response_length,
+                  do_sample=r.do_sample, ignore_eos=r.ignore_eos, pad_to_max_response_length=True,
+                  calculate_log_probs=r.calculate_log_probs, seed=r.seed)
     v = r.val_kwargs
-    val = dataclasses.replace(train, temperature=v.temperature if v.do_sample else 1.0, top_p=v.top_p, top_k=v.top_k,
-                              do_sample=v.do_sample, calculate_log_probs=False)
+    val_keys = {k: f"{ROLLOUT}.val_kwargs.{k}" for k in ("temperature", "top_p", "top_k")}
+    val = build(val_keys, dataclasses.replace, train, temperature=v.temperature if v.do_sample else 1.0,
+                top_p=v.top_p, top_k=v.top_k, do_sample=v.do_sample, calculate_log_probs=False)
     return train, val
 
 
 def rollout_config(cfg: BallastConfig) -> RolloutConfig:
     r = cfg.actor_rollout_ref.rollout
     train, _ = sampling_configs(cfg)
-    return RolloutConfig(
-        model_path=cfg.actor_rollout_ref.model.path, backend=r.name, sampling=train, device=cfg.trainer.device,
-        dtype=r.dtype, enforce_eager=r.enforce_eager,
+    keys = {k: f"{ROLLOUT}.{k}" for k in ("dtype", "max_model_len", "max_num_batched_tokens", "max_num_seqs",
+                                          "gpu_memory_utilization", "kv_cache_memory_bytes",
+                                          "tensor_model_parallel_size", "seed")}
+    keys.update(backend=f"{ROLLOUT}.name", device="trainer.device", model_path="actor_rollout_ref.model.path",
+                cpu_kv_cache_memory_bytes=f"{ROLLOUT}.cpu_kv_cache_gib")
+    return build(
+        keys, RolloutConfig, model_path=cfg.actor_rollout_ref.model.path, backend=r.name, sampling=train,
+        device=cfg.trainer.device, dtype=r.dtype, enforce_eager=r.enforce_eager,
         max_model_len=r.max_model_len or (r.prompt_length + r.response_length),
         max_num_batched_tokens=r.max_num_batched_tokens, max_num_seqs=r.max_num_seqs,
         enable_chunked_prefill=r.enable_chunked_prefill, gpu_memory_utilization=r.gpu_memory_utilization,
@@ -97,23 +124,22 @@ def actor_rollout_ref_spec(cfg: BallastConfig, sizes: DerivedSizes, total_steps:
     actor = arr.actor
     temperature = arr.rollout.temperature if arr.rollout.do_sample else 1.0
     actor_engine = _engine(cfg, "actor", arr.model, sizes.actor.sp_size, actor.grad_clip,
-                           engine_optim(actor.optim, total_steps), actor.fsdp_config)
-    buckets = actor.bucket_boundaries if actor.dynamic_bsz_bucketing else None
+                           engine_optim(actor.optim, total_steps, "actor_rollout_ref.actor.optim"), actor.fsdp_config)
     train = TrainLoopSpec(
         mini_batch_samples_per_rank=sizes.actor.mini_batch_samples_per_rank, ppo_epochs=actor.ppo_epochs,
-        shuffle=actor.shuffle, seed=cfg.trainer.seed, micro=micro_spec(sizes.actor.train, buckets),
+        shuffle=actor.shuffle, seed=cfg.trainer.seed, micro=sizes.actor.train,
         loss_fn=functools.partial(actor_loss, cfg=actor_loss_config(cfg)), temperature=temperature,
         calculate_entropy=actor.entropy_coeff > 0 or actor.calculate_entropy,
         grad_clip_min_batch_size=actor.grad_clip_min_batch_size if actor.grad_clip_adaptive else None,
     )
     ref_engine = ref_infer = None
     if sizes.ref is not None:
-        ref_engine = _engine(cfg, "ref", arr.model, sizes.ref.sp_size, None, EngineOptim(lr=0.0), arr.ref.fsdp_config)
-        ref_infer = micro_spec(sizes.ref.infer)
+        ref_engine = _engine(cfg, "ref", arr.model, sizes.ref.sp_size, None, OptimConfig(lr=0.0), arr.ref.fsdp_config)
+        ref_infer = sizes.ref.infer
     _, val_sampling = sampling_configs(cfg)
     return ActorRolloutRefSpec(
         actor=actor_engine, actor_train=train,
-        actor_infer=micro_spec(sizes.actor.infer, buckets if sizes.actor.infer.use_dynamic_bsz else None),
+        actor_infer=sizes.actor.infer,
         rollout=rollout_config(cfg),
         rollout_val_sampling=val_sampling, ref=ref_engine, ref_infer=ref_infer, temperature=temperature,
         seed=cfg.trainer.seed, dist_timeout_s=cfg.trainer.worker_timeout_s,
@@ -122,16 +148,16 @@ def actor_rollout_ref_spec(cfg: BallastConfig, sizes: DerivedSizes, total_steps:
 
 def critic_spec(cfg: BallastConfig, sizes: DerivedSizes, total_steps: int) -> CriticSpec:
     c = cfg.critic
-    engine = _engine(cfg, "critic", c.model, sizes.critic.sp_size, c.grad_clip, engine_optim(c.optim, total_steps),
-                     c.fsdp_config)
+    engine = _engine(cfg, "critic", c.model, sizes.critic.sp_size, c.grad_clip,
+                     engine_optim(c.optim, total_steps, "critic.optim"), c.fsdp_config)
     loss = functools.partial(critic_loss, cfg=CriticLossConfig(cliprange_value=c.cliprange_value,
                                                                loss_agg_mode=c.loss_agg_mode,
                                                                loss_scale_factor=c.loss_scale_factor))
     train = TrainLoopSpec(
         mini_batch_samples_per_rank=sizes.critic.mini_batch_samples_per_rank, ppo_epochs=c.ppo_epochs,
-        shuffle=c.shuffle, seed=cfg.trainer.seed, micro=micro_spec(sizes.critic.train), loss_fn=loss,
+        shuffle=c.shuffle, seed=cfg.trainer.seed, micro=sizes.critic.train, loss_fn=loss,
     )
-    return CriticSpec(critic=engine, train=train, infer=micro_spec(sizes.critic.infer), seed=cfg.trainer.seed,
+    return CriticSpec(critic=engine, train=train, infer=sizes.critic.infer, seed=cfg.trainer.seed,
                       dist_timeout_s=cfg.trainer.worker_timeout_s)
 
 

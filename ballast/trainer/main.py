@@ -103,7 +103,7 @@ def training_session(cfg: BallastConfig, sizes, raw_config: Optional[dict] = Non
     from tqdm import tqdm
 
     from ballast.models import load_tokenizer
-    from ballast.trainer.builders import overlong_buffer
+    from ballast.trainer.builders import overlong_buffer, worker_specs
     from ballast.trainer.data_setup import RunData
     from ballast.trainer.ray_trainer import RayPPOTrainer
     from ballast.trainer.reward import RewardManager
@@ -123,6 +123,8 @@ def training_session(cfg: BallastConfig, sizes, raw_config: Optional[dict] = Non
                                            overlong_buffer(cfg), cfg.reward.timeout_s)
     except (ValueError, OSError, ImportError) as err:  # the messages name the file, row or path
         raise InputError(str(err)) from err
+    # Built again now that the step count is known (the optimizer schedule depends on it), before Ray starts.
+    specs = worker_specs(cfg, sizes, data.total_steps)
     ray_dir = start_ray(cfg)
     owns_ray = ray_dir is not None
     signals.reinstall()  # ray.init replaced the command line's handlers
@@ -131,7 +133,7 @@ def training_session(cfg: BallastConfig, sizes, raw_config: Optional[dict] = Non
                       cfg.trainer.default_local_dir, config=raw_config, console=tqdm.write)
     try:
         print("ballast: derived sizes\n  " + "\n  ".join(sizes.summary()), flush=True)
-        workers = create_workers(cfg, sizes, data.total_steps)
+        workers = create_workers(cfg, sizes, specs)
         record_workers(workers, cfg.trainer.default_local_dir)
         with open(os.path.join(arr.model.path, "config.json")) as f:
             model_config = json.load(f)

@@ -94,7 +94,7 @@ class RayPPOTrainer:
         self._pending_metrics: Dict[str, float] = {}  # measured after a step's row was logged
         self._weight_sync_s = 0.0
         self.monitor = BalanceMonitor(tracker, self.total_steps, cfg.trainer.enable_monitor,
-                                      cfg.trainer.monitor_interval, sizes.actor.train.micro_token_budget)
+                                      cfg.trainer.monitor_interval, sizes.actor.token_budget(sizes.actor.train))
         self._resumed_from: Optional[str] = None
         self._resume_checked = False
 
@@ -247,7 +247,8 @@ class RayPPOTrainer:
         bucketed = self.cfg.actor_rollout_ref.actor.dynamic_bsz_bucketing
         if self.cfg.trainer.balance_batch and infer.use_dynamic_bsz and not bucketed:
             # The old-log-prob pass is one mini-batch of the whole step: plan ranks and micro-batches together.
-            step_plan = plan_step(lengths, dp, infer.micro_token_budget, workload=self.workload, group_ids=groups)
+            step_plan = plan_step(lengths, dp, self.sizes.actor.token_budget(infer), workload=self.workload,
+                                  group_ids=groups)
             costs = workload_costs(lengths, self.workload)
             plan = BalancePlan(step_plan.order, step_plan.partitions,
                                balance_metrics(lengths, costs, step_plan.partitions, dp))
@@ -307,7 +308,8 @@ class RayPPOTrainer:
         dp, infer = self.sizes.actor.dp_size, self.sizes.actor.infer
         groups = sub["uid"] if self.cfg.trainer.balance_keep_groups else None
         if infer.use_dynamic_bsz and not self.cfg.actor_rollout_ref.actor.dynamic_bsz_bucketing:
-            step_plan = plan_step(lengths, dp, infer.micro_token_budget, workload=self.workload, group_ids=groups)
+            step_plan = plan_step(lengths, dp, self.sizes.actor.token_budget(infer), workload=self.workload,
+                                  group_ids=groups)
             order = step_plan.order
             sub.meta[LOG_PROB_PLAN_KEY] = step_plan.local_micro_batches()
         else:
@@ -351,7 +353,7 @@ class RayPPOTrainer:
         role_cfg = self.cfg.actor_rollout_ref.actor if role == "actor" else self.cfg.critic
         groups = batch["uid"] if self.cfg.trainer.balance_keep_groups else None
         return plan_update(batch["attention_mask"].sum(-1).numpy(), sizes.dp_size, sizes.mini_batch_samples,
-                           sizes.train.micro_token_budget, role_cfg.ppo_epochs, role_cfg.shuffle,
+                           sizes.token_budget(sizes.train), role_cfg.ppo_epochs, role_cfg.shuffle,
                            seed=[self.cfg.trainer.seed, self.global_step, int(role == "critic")],
                            workload=self.workload, group_ids=groups)
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ballast.single_controller import RayWorkerGroup, ResourcePool
-from ballast.trainer.builders import actor_rollout_ref_spec, critic_spec
+from ballast.trainer.builders import WorkerSpecs
 from ballast.trainer.config import BallastConfig, DerivedSizes
 from ballast.trainer.tracking import worker_log_dir
 from ballast.workers.actor_rollout_ref import ActorRolloutRefWorker
@@ -52,7 +52,7 @@ class Workers:
         self.pool.remove()
 
 
-def create_workers(cfg: BallastConfig, sizes: DerivedSizes, total_steps: int) -> Workers:
+def create_workers(cfg: BallastConfig, sizes: DerivedSizes, specs: WorkerSpecs) -> Workers:
     t = cfg.trainer
     use_gpu = t.device == "cuda" or (t.device == "auto" and _cuda_available())
     pool = ResourcePool([t.n_gpus_per_node] * t.nnodes, use_gpu=use_gpu, cpus_per_process=1.0,
@@ -60,12 +60,12 @@ def create_workers(cfg: BallastConfig, sizes: DerivedSizes, total_steps: int) ->
     share = 0.5 if sizes.use_critic else 1.0
     env = worker_env()
     logs = worker_log_dir(t.default_local_dir)
-    actor = RayWorkerGroup(pool, ActorRolloutRefWorker, init_args=(actor_rollout_ref_spec(cfg, sizes, total_steps),),
+    actor = RayWorkerGroup(pool, ActorRolloutRefWorker, init_args=(specs.actor_rollout_ref,),
                            name="actor_rollout_ref", device_share=share, env=env, timeout_s=t.worker_timeout_s,
                            log_dir=logs)
     critic = None
     if sizes.use_critic:
-        critic = RayWorkerGroup(pool, CriticWorker, init_args=(critic_spec(cfg, sizes, total_steps),), name="critic",
+        critic = RayWorkerGroup(pool, CriticWorker, init_args=(specs.critic,), name="critic",
                                 device_share=share, env=env, timeout_s=t.worker_timeout_s, log_dir=logs)
     workers = Workers(pool, actor, critic)
     # Each group forms its own torch.distributed world; initialise them one after the other.

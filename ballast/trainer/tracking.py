@@ -13,7 +13,10 @@ import math
 import netrc
 import os
 import re
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Literal, Optional, get_args
+
+LoggerName = Literal["console", "wandb", "tensorboard", "jsonl"]
+LOGGERS: tuple[str, ...] = get_args(LoggerName)
 
 # Whole-word endings only: `wandb_api_key`, `hf_token`, `password` are secrets; config keys such as
 # `ppo_max_token_len_per_gpu` or `prompt_key` are not.

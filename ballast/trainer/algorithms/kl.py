@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict
+from typing import Callable, Dict, Literal, get_args
 
 import torch
 
 KLFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+KLControllerType = Literal["fixed", "adaptive"]
+KL_CONTROLLERS: tuple[str, ...] = get_args(KLControllerType)
 
 
 def _k1(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
@@ -78,4 +80,4 @@ def make_kl_controller(kind: str, kl_coef: float, target_kl: float, horizon: int
         if target_kl <= 0 or horizon <= 0:
             raise ValueError(f"algorithm.kl_ctrl: adaptive needs target_kl > 0 and horizon > 0, got {target_kl}, {horizon}")
         return AdaptiveKLController(kl_coef, target_kl, horizon)
-    raise ValueError(f"algorithm.kl_ctrl.type={kind!r} is not one of 'fixed', 'adaptive'")
+    raise ValueError(f"algorithm.kl_ctrl.type={kind!r} is not one of {', '.join(map(repr, KL_CONTROLLERS))}")

@@ -16,35 +16,36 @@ different places). Every impossible combination raises `ConfigError` naming the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional, Sequence
 
+from ballast.trainer.config.keys import build
 from ballast.trainer.config.loader import ConfigError
 from ballast.trainer.config.model_info import ModelInfo
 from ballast.trainer.config.schema import BallastConfig
 
-
-@dataclass(frozen=True)
-class MicroBatching:
-    """How one role cuts its per-rank batch for one kind of call (train or infer)."""
-
-    use_dynamic_bsz: bool
-    micro_batch_size_per_gpu: Optional[int]
-    max_token_len_per_gpu: Optional[int]
-    micro_token_budget: Optional[int]
+if TYPE_CHECKING:
+    from ballast.engine import MicroBatchSpec
 
 
 @dataclass(frozen=True)
 class RoleSizes:
+    """One role's per-rank sizes; `infer` and `train` are the engine's own micro-batch specs, handed
+    to the workers as they are."""
+
     dp_size: int
     sp_size: int
     samples_per_rank: int
-    infer: MicroBatching
+    infer: MicroBatchSpec
     # Training roles only (the reference model never trains).
     mini_batch_samples: Optional[int] = None
     mini_batch_samples_per_rank: Optional[int] = None
     num_mini_batches: Optional[int] = None
     grad_accum_steps: Optional[int] = None
-    train: Optional[MicroBatching] = None
+    train: Optional[MicroBatchSpec] = None
+
+    def token_budget(self, micro: MicroBatchSpec) -> Optional[int]:
+        """Real tokens one micro-batch of `micro` may hold on this role's SP group; None when static."""
+        return micro.token_budget(self.sp_size) if micro.use_dynamic_bsz else None
 
 
 @dataclass(frozen=True)
@@ -75,16 +76,17 @@ class DerivedSizes:
             if role.train is not None:
                 line += (
                     f" mini_batch_samples={role.mini_batch_samples} per_rank={role.mini_batch_samples_per_rank}"
-                    f" num_mini_batches={role.num_mini_batches} train={_describe(role.train, role.grad_accum_steps)}"
+                    f" num_mini_batches={role.num_mini_batches}"
+                    f" train={_describe(role.train, role.grad_accum_steps, role.token_budget(role.train))}"
                 )
-            line += f" infer={_describe(role.infer, None)}"
+            line += f" infer={_describe(role.infer, None, role.token_budget(role.infer))}"
             lines.append(line)
         return lines
 
 
-def _describe(mb: MicroBatching, grad_accum_steps: Optional[int]) -> str:
+def _describe(mb: MicroBatchSpec, grad_accum_steps: Optional[int], budget: Optional[int]) -> str:
     if mb.use_dynamic_bsz:
-        return f"dynamic(budget={mb.micro_token_budget} tokens/micro-batch)"
+        return f"dynamic(budget={budget} tokens/micro-batch)"
     text = f"static({mb.micro_batch_size_per_gpu}/micro-batch"
     return text + (f", grad_accum={grad_accum_steps})" if grad_accum_steps else ")")
 
@@ -121,13 +123,16 @@ def derive_sizes(cfg: BallastConfig, model: Optional[ModelInfo] = None) -> Deriv
 
     prefix = "actor_rollout_ref.actor"
     sp = _sp_size(prefix, actor.ulysses_sequence_parallel_size, world, model)
+    # Length buckets split the actor's dynamic micro-batches: always in training, in the old-log-prob
+    # pass when that is dynamic as well.
+    buckets = actor.bucket_boundaries if actor.dynamic_bsz_bucketing else None
     actor_sizes = _train_role(
         prefix, world, samples, n, sp, actor.ppo_mini_batch_size, data.train_batch_size,
         train=_micro(prefix, actor.use_dynamic_bsz, actor.ppo_micro_batch_size_per_gpu,
-                     actor.ppo_max_token_len_per_gpu, sp, max_seq, "ppo_micro_batch_size_per_gpu",
-                     "ppo_max_token_len_per_gpu", "use_dynamic_bsz"),
+                     actor.ppo_max_token_len_per_gpu, sp, max_seq, _TRAIN_KEYS, buckets),
         infer=_micro("actor_rollout_ref.rollout", rollout.log_prob_use_dynamic_bsz,
-                     rollout.log_prob_micro_batch_size_per_gpu, rollout.log_prob_max_token_len_per_gpu, sp, max_seq),
+                     rollout.log_prob_micro_batch_size_per_gpu, rollout.log_prob_max_token_len_per_gpu, sp, max_seq,
+                     buckets=buckets if rollout.log_prob_use_dynamic_bsz else None),
     )
 
     ref_sizes = None
@@ -147,11 +152,10 @@ def derive_sizes(cfg: BallastConfig, model: Optional[ModelInfo] = None) -> Deriv
         critic_sizes = _train_role(
             prefix, world, samples, n, sp, critic.ppo_mini_batch_size, data.train_batch_size,
             train=_micro(prefix, critic.use_dynamic_bsz, critic.ppo_micro_batch_size_per_gpu,
-                         critic.ppo_max_token_len_per_gpu, sp, max_seq, "ppo_micro_batch_size_per_gpu",
-                         "ppo_max_token_len_per_gpu", "use_dynamic_bsz"),
+                         critic.ppo_max_token_len_per_gpu, sp, max_seq, _TRAIN_KEYS),
             infer=_micro(prefix, critic.use_dynamic_bsz, critic.forward_micro_batch_size_per_gpu,
-                         critic.forward_max_token_len_per_gpu, sp, max_seq, "forward_micro_batch_size_per_gpu",
-                         "forward_max_token_len_per_gpu", "use_dynamic_bsz"),
+                         critic.forward_max_token_len_per_gpu, sp, max_seq,
+                         ("forward_micro_batch_size_per_gpu", "forward_max_token_len_per_gpu", "use_dynamic_bsz")),
         )
     return DerivedSizes(
         world_size=world, samples_per_step=samples, max_seq_len_tokens=max_seq, rollout_tp=tp,
@@ -183,29 +187,38 @@ def _sp_size(prefix: str, sp: int, world: int, model: Optional[ModelInfo]) -> in
     return sp
 
 
+# (micro-batch size, token budget, dynamic switch) keys of a role's micro-batching, after its prefix.
+_TRAIN_KEYS = ("ppo_micro_batch_size_per_gpu", "ppo_max_token_len_per_gpu", "use_dynamic_bsz")
+_LOG_PROB_KEYS = ("log_prob_micro_batch_size_per_gpu", "log_prob_max_token_len_per_gpu", "log_prob_use_dynamic_bsz")
+
+
 def _micro(prefix: str, dynamic: bool, micro: Optional[int], max_tokens: int, sp: int, max_seq: int,
-           micro_key: str = "log_prob_micro_batch_size_per_gpu",
-           tokens_key: str = "log_prob_max_token_len_per_gpu",
-           dynamic_key: str = "log_prob_use_dynamic_bsz") -> MicroBatching:
-    """One role's micro-batching for one kind of call; the hard token cap must hold a full sample."""
-    if dynamic:
-        budget = max_tokens * sp
-        if budget < max_seq:
-            raise ConfigError(
-                f"{prefix}.{tokens_key}={max_tokens} x ulysses_sequence_parallel_size={sp} = {budget} tokens "
-                f"is smaller than one full sample: data.max_prompt_length + data.max_response_length = {max_seq}"
-            )
-        return MicroBatching(True, None, max_tokens, budget)
-    if micro is None or micro < 1:
+           keys: Sequence[str] = _LOG_PROB_KEYS, buckets: Optional[Sequence[int]] = None) -> MicroBatchSpec:
+    """One role's micro-batch spec for one kind of call (the engine checks it); the hard token cap
+    must also hold a full sample."""
+    from ballast.engine import MicroBatchSpec
+
+    micro_key, tokens_key, dynamic_key = keys
+    spec_keys = {
+        "micro_batch_size_per_gpu": f"{prefix}.{micro_key}", "max_token_len_per_gpu": f"{prefix}.{tokens_key}",
+        "bucket_boundaries": "actor_rollout_ref.actor.bucket_boundaries",
+        # The spec's one rule on use_dynamic_bsz is that buckets need it, and buckets are what
+        # dynamic_bsz_bucketing asked for.
+        "use_dynamic_bsz": "actor_rollout_ref.actor.dynamic_bsz_bucketing",
+    }
+    spec = build(spec_keys, MicroBatchSpec, use_dynamic_bsz=dynamic,
+                 micro_batch_size_per_gpu=None if dynamic else micro,
+                 max_token_len_per_gpu=max_tokens if dynamic else None, bucket_boundaries=tuple(buckets) if buckets else None)
+    if dynamic and spec.token_budget(sp) < max_seq:
         raise ConfigError(
-            f"{prefix}.{micro_key}={micro}: set a micro-batch size >= 1, "
-            f"or enable dynamic batch size with {prefix}.{dynamic_key}=True"
+            f"{prefix}.{tokens_key}={max_tokens} x ulysses_sequence_parallel_size={sp} = {spec.token_budget(sp)} "
+            f"tokens is smaller than one full sample: data.max_prompt_length + data.max_response_length = {max_seq}"
         )
-    return MicroBatching(False, micro, None, None)
+    return spec
 
 
 def _train_role(prefix: str, world: int, samples: int, n: int, sp: int, mini: int, train_batch_size: int, *,
-                train: MicroBatching, infer: MicroBatching) -> RoleSizes:
+                train: MicroBatchSpec, infer: MicroBatchSpec) -> RoleSizes:
     dp = world // sp
     dp_name = f"{prefix} dp size (world // {prefix}.ulysses_sequence_parallel_size)"
     _divides(dp, samples, dp_name, "data.train_batch_size * actor_rollout_ref.rollout.n")

@@ -1,28 +1,34 @@
 """Start-up validation: names, ranges and cross-key rules that a typed schema cannot express.
 
 Everything here runs on the driver before any Ray actor exists, so an invalid config never reaches
-a worker. Batch divisibility rules live with the sizes they protect, in `derived.py`.
+a worker. Each rule is checked once, by its owner: batch divisibility lives with the sizes it
+protects (`derived.py`); what the engine, rollout and data loader require of their own settings is
+checked by them, when `check_config` builds their specs here, and reported with the config key
+(`keys.py`). What is left in this file are rules about keys only the trainer reads.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Iterable, Optional
+from typing import Iterable, Literal, Optional, get_args
 
 from ballast.trainer.config.derived import DerivedSizes, derive_sizes, uses_critic
 from ballast.trainer.config.loader import ConfigError
 from ballast.trainer.config.model_info import ModelInfo
-from ballast.trainer.config.schema import BallastConfig, OptimConfig
+from ballast.trainer.config.schema import BallastConfig, OptimSection
 
-DEVICES = ("auto", "cpu", "cuda")
-LOGGERS = ("console", "wandb", "tensorboard", "jsonl")
-ROLLOUT_BACKENDS = ("vllm", "hf")
-TRUNCATIONS = ("error", "left", "right", "middle", "filter")
-WARMUP_STYLES = ("constant", "cosine")
-KL_CONTROLLERS = ("fixed", "adaptive")
-STRATEGIES = ("fsdp2",)
-WORKLOADS = ("tokens", "verl", "flops")
-RESUME_MODES = ("auto", "disable", "resume_path")
+# Allowed values of keys only the trainer reads; the other sets are imported from their owners.
+Strategy = Literal["fsdp2"]
+RolloutMode = Literal["sync", "async"]
+RewardManagerName = Literal["naive", "dapo"]
+ResumeMode = Literal["auto", "disable", "resume_path"]
+STRATEGIES = get_args(Strategy)
+RESUME_MODES = get_args(ResumeMode)
+# `flops` is a FlopsModel built from the actor's HF config; the named workloads are balance's.
+BALANCE_WORKLOADS = ("flops",)
+# Until the real step count is known (the data is read after this check), specs are built with this
+# many steps; `training_session` builds them again with the real count before Ray starts.
+PROVISIONAL_TOTAL_STEPS = 1 << 30
 
 
 def _one_of(key: str, value, allowed: Iterable) -> None:
@@ -43,7 +49,9 @@ def _in_unit(key: str, value: float, allow_zero: bool = False) -> None:
 
 def check_config(cfg: BallastConfig, model: Optional[ModelInfo] = None) -> DerivedSizes:
     """Validate `cfg` (and its fit to `model`, when known) and return the derived sizes."""
+    # Imported here: they load torch, and the config package is imported by tools that need neither.
     from ballast.trainer.algorithms import registered_names
+    from ballast.trainer.builders import worker_specs
 
     names = registered_names()
     _check_names(cfg, names)
@@ -54,10 +62,17 @@ def check_config(cfg: BallastConfig, model: Optional[ModelInfo] = None) -> Deriv
     if gen is not None and gen * cfg.actor_rollout_ref.rollout.n % sizes.rollout_dp:
         raise ConfigError(f"data.gen_batch_size * actor_rollout_ref.rollout.n = {gen * cfg.actor_rollout_ref.rollout.n} "
                           f"samples must divide over the {sizes.rollout_dp} rollout workers")
+    worker_specs(cfg, sizes, cfg.trainer.total_training_steps or PROVISIONAL_TOTAL_STEPS)
     return sizes
 
 
 def _check_names(cfg: BallastConfig, names: dict) -> None:
+    from ballast.balance.workload import WORKLOAD_NAMES
+    from ballast.data.dataset import TRUNCATION_MODES
+    from ballast.engine.config import LR_SCHEDULES
+    from ballast.trainer.algorithms.kl import make_kl_controller
+    from ballast.trainer.tracking import LOGGERS
+
     arr, actor, t = cfg.actor_rollout_ref, cfg.actor_rollout_ref.actor, cfg.trainer
     _one_of("algorithm.adv_estimator", cfg.algorithm.adv_estimator, names["adv_estimator"])
     _one_of("actor_rollout_ref.actor.policy_loss.loss_mode", actor.policy_loss.loss_mode, names["policy_loss"])
@@ -65,8 +80,11 @@ def _check_names(cfg: BallastConfig, names: dict) -> None:
     _one_of("critic.loss_agg_mode", cfg.critic.loss_agg_mode, names["loss_agg_mode"])
     _one_of("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type, names["kl_penalty"])
     _one_of("algorithm.kl_penalty", cfg.algorithm.kl_penalty, names["kl_penalty"])
-    _one_of("algorithm.kl_ctrl.type", cfg.algorithm.kl_ctrl.type, KL_CONTROLLERS)
-    _one_of("actor_rollout_ref.rollout.name", arr.rollout.name, ROLLOUT_BACKENDS)
+    kl = cfg.algorithm.kl_ctrl
+    try:  # the controller checks its own type and settings, naming the keys
+        make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     for key, strategy in (("actor_rollout_ref.actor.strategy", actor.strategy), ("critic.strategy", cfg.critic.strategy)):
         if strategy == "fsdp":
             raise ConfigError(
@@ -75,19 +93,18 @@ def _check_names(cfg: BallastConfig, names: dict) -> None:
             )
         _one_of(key, strategy, STRATEGIES)
     for prefix, optim in (("actor_rollout_ref.actor.optim", actor.optim), ("critic.optim", cfg.critic.optim)):
-        _one_of(f"{prefix}.lr_scheduler_type", optim.lr_scheduler_type, WARMUP_STYLES)
         if optim.warmup_style is not None:
-            _one_of(f"{prefix}.warmup_style", optim.warmup_style, WARMUP_STYLES)
+            # warmup_style overrides it, so the engine never sees (and checks) this one.
+            _one_of(f"{prefix}.lr_scheduler_type", optim.lr_scheduler_type, LR_SCHEDULES)
     if not arr.hybrid_engine:
         raise ConfigError("actor_rollout_ref.hybrid_engine=False is not supported (verl's PPO trainer requires "
                           "True as well): the actor and rollout always share one process")
-    _one_of("actor_rollout_ref.rollout.mode", arr.rollout.mode, ("sync", "async"))
+    _one_of("actor_rollout_ref.rollout.mode", arr.rollout.mode, get_args(RolloutMode))
     if arr.rollout.mode == "async":
         raise ConfigError("actor_rollout_ref.rollout.mode=async (verl's agent-loop rollout server) is not "
                           "implemented; set actor_rollout_ref.rollout.mode=sync (batched generation)")
-    _one_of("data.truncation", cfg.data.truncation, TRUNCATIONS)
-    _one_of("trainer.device", t.device, DEVICES)
-    _one_of("trainer.balance_workload", t.balance_workload, WORKLOADS)
+    _one_of("data.truncation", cfg.data.truncation, TRUNCATION_MODES)
+    _one_of("trainer.balance_workload", t.balance_workload, WORKLOAD_NAMES + BALANCE_WORKLOADS)
     for i, name in enumerate(t.logger):
         _one_of(f"trainer.logger[{i}]", name, LOGGERS)
     if t.resume_mode not in RESUME_MODES and not os.path.isdir(os.path.expanduser(t.resume_mode)):
@@ -99,13 +116,13 @@ def _check_names(cfg: BallastConfig, names: dict) -> None:
         raise ConfigError("trainer.resume_mode='resume_path' needs trainer.resume_from_path")
 
 
-def _check_optim(prefix: str, optim: OptimConfig) -> None:
+def _check_optim(prefix: str, optim: OptimSection) -> None:
+    # > 0 for a trained role (the engine also accepts 0, which the reference model uses).
     _at_least(f"{prefix}.lr", optim.lr, 0.0, inclusive=False)
     if len(optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in optim.betas):
         raise ConfigError(f"{prefix}.betas={list(optim.betas)!r} must be two numbers in [0, 1)")
     _at_least(f"{prefix}.weight_decay", optim.weight_decay, 0.0)
     _in_unit(f"{prefix}.lr_warmup_steps_ratio", optim.lr_warmup_steps_ratio, allow_zero=True)
-    _in_unit(f"{prefix}.min_lr_ratio", optim.min_lr_ratio, allow_zero=True)
 
 
 def _check_ranges(cfg: BallastConfig) -> None:
@@ -118,8 +135,6 @@ def _check_ranges(cfg: BallastConfig) -> None:
         ("trainer.nnodes", t.nnodes), ("trainer.n_gpus_per_node", t.n_gpus_per_node),
         ("trainer.total_epochs", t.total_epochs), ("trainer.monitor_interval", t.monitor_interval),
         ("actor_rollout_ref.actor.grad_clip_min_batch_size", actor.grad_clip_min_batch_size),
-        ("actor_rollout_ref.rollout.cpu_kv_cache_gib", rollout.cpu_kv_cache_gib),
-        ("actor_rollout_ref.rollout.max_num_seqs", rollout.max_num_seqs),
         ("trainer.max_consecutive_nonfinite_steps", t.max_consecutive_nonfinite_steps),
     ):
         _at_least(key, value, 1)
@@ -127,10 +142,6 @@ def _check_ranges(cfg: BallastConfig) -> None:
         _at_least("trainer.total_training_steps", t.total_training_steps, 1)
     if data.val_batch_size is not None:
         _at_least("data.val_batch_size", data.val_batch_size, 1)
-    _at_least("data.dataloader_num_workers", data.dataloader_num_workers, 0)
-    _at_least("data.prefetch_factor", data.prefetch_factor, 1)
-    _at_least("actor_rollout_ref.actor.grad_clip", actor.grad_clip, 0.0, inclusive=False)
-    _at_least("critic.grad_clip", cfg.critic.grad_clip, 0.0, inclusive=False)
     _at_least("trainer.worker_timeout_s", t.worker_timeout_s, 0.0, inclusive=False)
     if cfg.reward.timeout_s is not None:
         _at_least("reward.timeout_s", cfg.reward.timeout_s, 0.0, inclusive=False)
@@ -150,17 +161,6 @@ def _check_ranges(cfg: BallastConfig) -> None:
     _in_unit("algorithm.lam", cfg.algorithm.lam, allow_zero=True)
     _check_optim("actor_rollout_ref.actor.optim", actor.optim)
     _check_optim("critic.optim", cfg.critic.optim)
-    _in_unit("actor_rollout_ref.rollout.top_p", rollout.top_p)
-    _in_unit("actor_rollout_ref.rollout.gpu_memory_utilization", rollout.gpu_memory_utilization)
-    if rollout.kv_cache_memory_bytes is not None:
-        _at_least("actor_rollout_ref.rollout.kv_cache_memory_bytes", rollout.kv_cache_memory_bytes, 1)
-    if rollout.top_k != -1 and rollout.top_k < 1:
-        raise ConfigError(f"actor_rollout_ref.rollout.top_k={rollout.top_k} must be -1 (off) or >= 1")
-    if rollout.do_sample and rollout.temperature <= 0:
-        raise ConfigError(
-            f"actor_rollout_ref.rollout.temperature={rollout.temperature} must be > 0 when do_sample=True "
-            "(use do_sample=False for greedy decoding)"
-        )
     _at_least("actor_rollout_ref.rollout.val_kwargs.n", rollout.val_kwargs.n, 1)
     if rollout.val_kwargs.n > 1 and not rollout.val_kwargs.do_sample:
         raise ConfigError(
@@ -201,7 +201,7 @@ def _check_offload(cfg: BallastConfig) -> None:
 
 def _check_dapo(cfg: BallastConfig) -> None:
     fg, rm = cfg.algorithm.filter_groups, cfg.reward_model
-    _one_of("reward_model.reward_manager", rm.reward_manager, ("naive", "dapo"))
+    _one_of("reward_model.reward_manager", rm.reward_manager, get_args(RewardManagerName))
     if fg.enable and cfg.actor_rollout_ref.rollout.n < 2:
         raise ConfigError("algorithm.filter_groups.enable=True compares the answers of one prompt: "
                           f"actor_rollout_ref.rollout.n={cfg.actor_rollout_ref.rollout.n} must be >= 2")
@@ -241,22 +241,6 @@ def _check_rules(cfg: BallastConfig) -> None:
             f"actor_rollout_ref.rollout.max_num_batched_tokens={rollout.max_num_batched_tokens} is smaller than one "
             f"sample ({seq} tokens) and enable_chunked_prefill=False: vLLM could not schedule a full prompt"
         )
-    bounds = list(actor.bucket_boundaries)
-    if actor.dynamic_bsz_bucketing:
-        if not actor.use_dynamic_bsz:
-            raise ConfigError("actor_rollout_ref.actor.dynamic_bsz_bucketing=True needs use_dynamic_bsz=True")
-        if not bounds or any(b <= 0 for b in bounds) or any(b >= c for b, c in zip(bounds, bounds[1:])):
-            raise ConfigError(
-                f"actor_rollout_ref.actor.bucket_boundaries={bounds} must be positive and strictly increasing"
-            )
-    if actor.ulysses_sequence_parallel_size > 1 and not arr.model.use_remove_padding:
-        raise ConfigError(
-            "actor_rollout_ref.actor.ulysses_sequence_parallel_size="
-            f"{actor.ulysses_sequence_parallel_size} needs actor_rollout_ref.model.use_remove_padding=True "
-            "(Ulysses shards the packed sequence)"
-        )
-    if cfg.critic.ulysses_sequence_parallel_size > 1 and not cfg.critic.model.use_remove_padding:
-        raise ConfigError("critic.ulysses_sequence_parallel_size > 1 needs critic.model.use_remove_padding=True")
     if cfg.algorithm.adv_estimator == "gae" and cfg.critic.enable is False:
         raise ConfigError("algorithm.adv_estimator=gae needs a critic, but critic.enable=False")
     if cfg.critic.enable and cfg.algorithm.adv_estimator != "gae":
@@ -273,5 +257,16 @@ def _check_rules(cfg: BallastConfig) -> None:
     _check_dapo(cfg)
     if cfg.trainer.val_only and not data.val_files:
         raise ConfigError("trainer.val_only=True needs data.val_files")
-    if data.dataloader_num_workers == 0 and data.persistent_workers:
-        raise ConfigError("data.persistent_workers=True needs data.dataloader_num_workers >= 1")
+    _check_loader(cfg)
+
+
+def _check_loader(cfg: BallastConfig) -> None:
+    """The data loader's rules on its knobs, with the values `RunData` will pass it."""
+    from ballast.data.loader import check_loader_knobs
+
+    d = cfg.data
+    try:
+        check_loader_knobs(d.gen_batch_size or d.train_batch_size, d.dataloader_num_workers,
+                           d.prefetch_factor if d.dataloader_num_workers > 0 else None, d.persistent_workers)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None

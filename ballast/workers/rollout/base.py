@@ -4,7 +4,8 @@ A backend turns a TensorDict of left-padded prompts into a TensorDict of prompts
 output contract is in `postprocess.py`). `SamplingConfig` holds what may change per call (the
 validation pass swaps in a greedy one); `RolloutConfig` holds what is fixed when the engine is built.
 `n` is not here on purpose: the driver repeats prompts before dispatch, so a backend always returns
-one response per input row.
+one response per input row. Every rule about a field is checked here, once; an invalid value raises
+`SpecError` naming the field, so that the trainer can report the config key it came from.
 """
 
 from __future__ import annotations
@@ -13,15 +14,19 @@ import json
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, get_args, runtime_checkable
 
 import numpy as np
 import torch
 from tensordict import TensorDict
 
-BACKENDS = ("vllm", "hf")
-DEVICES = ("auto", "cpu", "cuda")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+from ballast.engine.config import DEVICES, Device, SpecError
+
+# The allowed values of each choice field, stated once; the tuples are read back from the types.
+Backend = Literal["vllm", "hf"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+BACKENDS: tuple[str, ...] = get_args(Backend)
+DTYPES: tuple[str, ...] = get_args(Dtype)
 
 
 def sampling_seed(seed: int, engine_index: int, call_index: int, row: int = 0) -> int:
@@ -91,18 +96,20 @@ class SamplingConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_response_length, int) or self.max_response_length < 1:
-            raise ValueError(f"max_response_length={self.max_response_length!r} must be an int >= 1")
+            raise SpecError("max_response_length",
+                            f"max_response_length={self.max_response_length!r} must be an int >= 1")
         if not isinstance(self.top_k, int) or (self.top_k != -1 and self.top_k < 1):
-            raise ValueError(f"top_k={self.top_k!r} must be -1 (off) or an int >= 1")
+            raise SpecError("top_k", f"top_k={self.top_k!r} must be -1 (off) or an int >= 1")
         if not 0.0 < float(self.top_p) <= 1.0:
-            raise ValueError(f"top_p={self.top_p!r} must be in (0, 1]")
+            raise SpecError("top_p", f"top_p={self.top_p!r} must be in (0, 1]")
         if self.do_sample and not float(self.temperature) > 0.0:
-            raise ValueError(
+            raise SpecError(
+                "temperature",
                 f"temperature={self.temperature!r} must be > 0 when do_sample=True "
                 "(use do_sample=False for greedy decoding)"
             )
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed={self.seed!r} must be an int or None")
+            raise SpecError("seed", f"seed={self.seed!r} must be an int or None")
         if self.eos_token_ids is not None:
             object.__setattr__(self, "eos_token_ids", _token_id_tuple("eos_token_ids", self.eos_token_ids))
         object.__setattr__(self, "stop_token_ids", _token_id_tuple("stop_token_ids", self.stop_token_ids))
@@ -130,10 +137,10 @@ class RolloutConfig:
     """
 
     model_path: str
-    backend: str = "vllm"
+    backend: Backend = "vllm"
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    device: str = "auto"
-    dtype: str = "auto"
+    device: Device = "auto"
+    dtype: Dtype = "auto"
     enforce_eager: bool = True
     max_model_len: int | None = None
     max_num_batched_tokens: int | None = None
@@ -151,29 +158,32 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_path, (str, os.PathLike)) or not str(self.model_path):
-            raise ValueError(f"model_path={self.model_path!r} must be a non-empty path")
+            raise SpecError("model_path", f"model_path={self.model_path!r} must be a non-empty path")
         object.__setattr__(self, "model_path", str(self.model_path))
         _choice("backend", self.backend, BACKENDS)
         _choice("device", self.device, DEVICES)
         _choice("dtype", self.dtype, DTYPES)
         if not isinstance(self.sampling, SamplingConfig):
-            raise ValueError(f"sampling={self.sampling!r} must be a SamplingConfig")
+            raise SpecError("sampling", f"sampling={self.sampling!r} must be a SamplingConfig")
         for key in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "kv_cache_memory_bytes",
                     "cpu_kv_cache_memory_bytes"):
             value = getattr(self, key)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"{key}={value!r} must be None or an int >= 1")
+                raise SpecError(key, f"{key}={value!r} must be None or an int >= 1")
         if isinstance(self.engine_index, bool) or not isinstance(self.engine_index, int) or self.engine_index < 0:
-            raise ValueError(f"engine_index={self.engine_index!r} must be an int >= 0")
+            raise SpecError("engine_index", f"engine_index={self.engine_index!r} must be an int >= 0")
         if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
-            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
+            raise SpecError("gpu_memory_utilization",
+                            f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1]")
         if self.sleep_level not in (1, 2):
-            raise ValueError(f"sleep_level={self.sleep_level!r} must be 1 (offload weights) or 2 (discard them)")
+            raise SpecError("sleep_level",
+                            f"sleep_level={self.sleep_level!r} must be 1 (offload weights) or 2 (discard them)")
         tp = self.tensor_model_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-            raise ValueError(f"tensor_model_parallel_size={tp!r} must be an int >= 1")
+            raise SpecError("tensor_model_parallel_size", f"tensor_model_parallel_size={tp!r} must be an int >= 1")
         if tp > 1 and self.backend != "vllm":
-            raise ValueError(f"tensor_model_parallel_size={tp} needs backend='vllm', got backend={self.backend!r}")
+            raise SpecError("tensor_model_parallel_size",
+                            f"tensor_model_parallel_size={tp} needs backend='vllm', got backend={self.backend!r}")
         check_sampling_for_engine(self, self.sampling)
         if self.pad_token_id is not None:
             _token_id_tuple("pad_token_id", self.pad_token_id)
@@ -191,18 +201,20 @@ class RolloutConfig:
 
 def _choice(key: str, value, allowed: Sequence[str]) -> None:
     if value not in allowed:
-        raise ValueError(f"{key}={value!r} must be one of {list(allowed)}")
+        raise SpecError(key, f"{key}={value!r} must be one of {list(allowed)}")
 
 
 def check_sampling_for_engine(config: RolloutConfig, sampling: SamplingConfig) -> None:
     """Reject sampling settings the engine cannot honour (checked at build time and per call)."""
     if config.max_model_len is not None and sampling.max_response_length >= config.max_model_len:
-        raise ValueError(
+        raise SpecError(
+            "max_model_len",
             f"sampling.max_response_length={sampling.max_response_length} leaves no room for a prompt "
             f"in max_model_len={config.max_model_len}"
         )
     if config.tensor_model_parallel_size > 1 and sampling.do_sample and sampling.seed is None:
-        raise ValueError(
+        raise SpecError(
+            "seed",
             f"tensor_model_parallel_size={config.tensor_model_parallel_size} with do_sample=True needs "
             "sampling.seed set: every TP rank must draw the same tokens or the ranks' schedulers diverge"
         )

@@ -54,7 +54,7 @@ def test_default_max_model_len_is_prompt_plus_response():
 
 @pytest.mark.parametrize("override, key", [
     ("actor_rollout_ref.rollout.gpu_memory_utilization=1.5", "gpu_memory_utilization=1.5"),
-    ("actor_rollout_ref.rollout.cpu_kv_cache_gib=0", "cpu_kv_cache_gib=0"),
+    ("actor_rollout_ref.rollout.cpu_kv_cache_gib=0", "rollout.cpu_kv_cache_gib: cpu_kv_cache_memory_bytes=0"),
     ("actor_rollout_ref.rollout.max_model_len=200", "max_model_len=200"),
     ("actor_rollout_ref.rollout.max_num_seqs=0", "max_num_seqs=0"),
     ("actor_rollout_ref.rollout.kv_cache_memory_bytes=0", "kv_cache_memory_bytes=0"),

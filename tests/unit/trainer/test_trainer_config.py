@@ -8,7 +8,6 @@ import pytest
 from ballast.trainer.config import (
     BallastConfig, ConfigError, ModelInfo, check_config, compose, derive_sizes, load_config,
 )
-from ballast.trainer.config import schema
 
 REQUIRED = ["data.train_files=/data/train.parquet", "actor_rollout_ref.model.path=/models/tiny"]
 # A small valid layout: 4 workers, 8 prompts x 4 samples, static micro-batches.
@@ -28,7 +27,7 @@ def _cfg(*overrides, base=BASE):
 
 
 def _field_tree(cls):
-    hints = typing.get_type_hints(cls, vars(schema))
+    hints = typing.get_type_hints(cls)
     tree = {}
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
@@ -101,10 +100,10 @@ def test_derived_sizes_dynamic_with_sp_and_tp():
                "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "critic.ulysses_sequence_parallel_size=2")
     sizes = check_config(cfg, TINY)
     assert sizes.actor.dp_size == 2 and sizes.actor.sp_size == 2
-    assert sizes.actor.train.micro_token_budget == 512 and sizes.actor.grad_accum_steps is None
+    assert sizes.actor.token_budget(sizes.actor.train) == 512 and sizes.actor.grad_accum_steps is None
     assert sizes.actor.mini_batch_samples_per_rank == 8
     assert sizes.rollout_tp == 2 and sizes.rollout_dp == 2
-    assert sizes.use_critic and sizes.critic.train.use_dynamic_bsz and sizes.critic.train.micro_token_budget == 2 * 32768
+    assert sizes.use_critic and sizes.critic.train.use_dynamic_bsz and sizes.critic.token_budget(sizes.critic.train) == 2 * 32768
     assert any("dynamic(budget=512" in line for line in sizes.summary())
 
 
@@ -114,7 +113,8 @@ INVALID = [
       "algorithm.adv_estimator=reinforce_plus_plus", "critic.enable=false"], "not divisible by rollout dp size"),
     (["actor_rollout_ref.actor.ppo_mini_batch_size=3"], "not divisible by actor_rollout_ref.actor.ppo_mini_batch_size=3"),
     (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"], "ppo_micro_batch_size_per_gpu=3"),
-    (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null"], "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=None"),
+    (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null"], "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu: "
+     "MicroBatchSpec(use_dynamic_bsz=False) needs micro_batch_size_per_gpu >= 1, got None"),
     (["actor_rollout_ref.actor.use_dynamic_bsz=True", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=100"],
      "ppo_max_token_len_per_gpu=100"),
     (["actor_rollout_ref.actor.ulysses_sequence_parallel_size=3"], "ulysses_sequence_parallel_size=3"),
@@ -125,25 +125,34 @@ INVALID = [
     (["actor_rollout_ref.actor.loss_agg_mode=mean"], "actor_rollout_ref.actor.loss_agg_mode='mean'"),
     (["actor_rollout_ref.actor.kl_loss_type=k9"], "kl_loss_type='k9'"),
     (["actor_rollout_ref.actor.clip_ratio_c=0.5"], "clip_ratio_c=0.5"),
-    (["actor_rollout_ref.rollout.temperature=0"], "temperature=0"),
-    (["actor_rollout_ref.rollout.name=sglang"], "rollout.name='sglang'"),
+    (["actor_rollout_ref.rollout.temperature=0"], "actor_rollout_ref.rollout.temperature: temperature=0.0 must be > 0"),
+    (["actor_rollout_ref.rollout.name=sglang"], "actor_rollout_ref.rollout.name: backend='sglang'"),
     (["trainer.logger=[console,mlflow]"], "trainer.logger[1]='mlflow'"),
     (["algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=1", "data.train_batch_size=16",
       "actor_rollout_ref.actor.ppo_mini_batch_size=8"], "rollout.n=1 must be >= 2"),
     (["critic.enable=false"], "adv_estimator=gae needs a critic"),
     (["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "actor_rollout_ref.model.use_remove_padding=False"],
-     "use_remove_padding"),
+     "actor_rollout_ref.actor.ulysses_sequence_parallel_size: ulysses_sequence_parallel_size=2 needs "
+     "use_remove_padding=True"),
     (["actor_rollout_ref.rollout.max_model_len=100"], "max_model_len=100"),
-    (["actor_rollout_ref.actor.dynamic_bsz_bucketing=True"], "dynamic_bsz_bucketing=True needs use_dynamic_bsz"),
+    (["actor_rollout_ref.actor.dynamic_bsz_bucketing=True"],
+     "actor_rollout_ref.actor.dynamic_bsz_bucketing: bucket_boundaries=[64, 256, 1024, 4096] needs use_dynamic_bsz=True"),
     (["actor_rollout_ref.actor.use_dynamic_bsz=True", "actor_rollout_ref.actor.dynamic_bsz_bucketing=True",
-      "actor_rollout_ref.actor.bucket_boundaries=[64,32]"], "bucket_boundaries=[64, 32]"),
+      "actor_rollout_ref.actor.bucket_boundaries=[64,32]"], "actor_rollout_ref.actor.bucket_boundaries: bucket_boundaries=[64, 32] must be"),
     (["actor_rollout_ref.actor.optim.lr=0"], "actor_rollout_ref.actor.optim.lr=0"),
-    (["trainer.device=tpu"], "trainer.device='tpu'"),
+    (["trainer.device=tpu"], "trainer.device: engine device must be one of ('auto', 'cpu', 'cuda'), got 'tpu'"),
     (["critic.ppo_micro_batch_size_per_gpu=3"], "critic.ppo_micro_batch_size_per_gpu=3"),
     (["actor_rollout_ref.actor.ppo_mini_batch_size=16"], "ppo_mini_batch_size=16 must be in"),
     (["trainer.resume_mode=/no/such/dir"], "trainer.resume_mode='/no/such/dir'"),
-    (["data.persistent_workers=True"], "persistent_workers"),
-    (["actor_rollout_ref.rollout.top_p=1.5"], "top_p=1.5"),
+    (["data.persistent_workers=True"], "data.persistent_workers=True needs data.dataloader_num_workers > 0"),
+    (["actor_rollout_ref.rollout.top_p=1.5"], "actor_rollout_ref.rollout.top_p: top_p=1.5"),
+    (["critic.ulysses_sequence_parallel_size=2", "critic.model.use_remove_padding=False"],
+     "critic.ulysses_sequence_parallel_size: ulysses_sequence_parallel_size=2 needs use_remove_padding=True"),
+    (["actor_rollout_ref.rollout.do_sample=True", "actor_rollout_ref.rollout.val_kwargs.do_sample=True"],
+     "actor_rollout_ref.rollout.val_kwargs.temperature: temperature=0.0 must be > 0"),
+    (["actor_rollout_ref.actor.grad_clip=0"], "actor_rollout_ref.actor.grad_clip: grad_clip must be > 0 or None, got 0.0"),
+    (["actor_rollout_ref.actor.optim.lr_scheduler_type=cosine", "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=1"],
+     "actor_rollout_ref.actor.optim.lr_scheduler_type: optim.lr_schedule='cosine' needs"),
 ]
 
 

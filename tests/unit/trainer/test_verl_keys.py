@@ -51,7 +51,7 @@ def test_offload_policy_and_ref_param_offload_mean_fsdp2_cpu_offload():
     (["actor_rollout_ref.actor.strategy=megatron"], "actor.strategy='megatron' is not one of"),
     (["actor_rollout_ref.hybrid_engine=False"], "hybrid_engine=False is not supported"),
     (["actor_rollout_ref.rollout.mode=async"], "rollout.mode=async .* not implemented"),
-    (["actor_rollout_ref.actor.optim.lr_scheduler_type=linear"], "optim.lr_scheduler_type='linear'"),
+    (["actor_rollout_ref.actor.optim.lr_scheduler_type=linear"], "optim.lr_scheduler_type: optim.lr_schedule must be one of .*, got 'linear'"),
     (["trainer.val_only=True"], "val_only=True needs data.val_files"),
     (["actor_rollout_ref.rollout.val_kwargs.n=4"], "val_kwargs.n=4 with val_kwargs.do_sample=False"),
     (["algorithm.filter_groups.enable=True", "actor_rollout_ref.rollout.n=1", "algorithm.adv_estimator=reinforce_plus_plus"],

@@ -1,0 +1,83 @@
+"""Schema of the reward and algorithm sections: `custom_reward_function`, `reward_model`, `reward`,
+`algorithm`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class CustomRewardConfig:
+    path: Optional[str]
+    """A .py file holding the score function; null: the built-in reward for each data source."""
+    name: str
+    """Name of the score function in that file."""
+
+
+@dataclass(frozen=True)
+class OverlongBufferConfig:
+    enable: bool
+    """DAPO's soft overlong punishment."""
+    len: int
+    """Answers longer than `data.max_response_length - len` tokens lose reward linearly."""
+    penalty_factor: float
+    """... reaching -penalty_factor at `data.max_response_length`."""
+    log: bool
+    """Log `reward_extra/overlong_reward/mean` and `reward_extra/overlong/mean`."""
+
+
+@dataclass(frozen=True)
+class RewardModelConfig:
+    reward_manager: str
+    """`naive` or `dapo`: both score with the rule reward and apply the overlong buffer when enabled."""
+    overlong_buffer: OverlongBufferConfig
+    """DAPO's overlong reward shaping."""
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    timeout_s: Optional[float]
+    """Longest one score-function call may take (then the run stops, exit 2); null: no limit, main thread."""
+
+
+@dataclass(frozen=True)
+class KLControlConfig:
+    type: str
+    """In-reward KL coefficient: `fixed` or `adaptive`."""
+    kl_coef: float
+    """(Initial) KL coefficient."""
+    horizon: int
+    """Adaptive controller's horizon in samples (> 0)."""
+    target_kl: float
+    """Adaptive controller's target KL (> 0)."""
+
+
+@dataclass(frozen=True)
+class FilterGroupsConfig:
+    enable: bool
+    """DAPO's dynamic sampling: drop prompt groups whose answers all share one `metric` value."""
+    metric: str
+    """`reward` (= `seq_reward`, the rule score), `seq_final_reward` or a value the score function returns."""
+    max_num_gen_batches: int
+    """Generation batches per step before giving up; <= 0: no limit."""
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    adv_estimator: str
+    """Advantage estimator: `gae`, `grpo`, `rloo`, `reinforce_plus_plus(_baseline)`, `grpo_passk`, `opo`, `gpg`."""
+    gamma: float
+    """Discount factor, in [0, 1]."""
+    lam: float
+    """GAE's lambda, in [0, 1]."""
+    norm_adv_by_std_in_grpo: bool
+    """GRPO: divide advantages by the group's standard deviation."""
+    use_kl_in_reward: bool
+    """Subtract a KL penalty to the reference model from the rewards (loads the reference model)."""
+    kl_penalty: str
+    """KL estimator of the in-reward penalty: `kl`, `abs`, `mse`, `low_var_kl` (and `+` forms)."""
+    kl_ctrl: KLControlConfig
+    """The in-reward KL coefficient's controller."""
+    filter_groups: FilterGroupsConfig
+    """DAPO's dynamic sampling."""

@@ -1,0 +1,69 @@
+"""Schema of the sections the actor, reference and critic share: model, optimizer and FSDP settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str
+    """Hugging Face model directory."""
+    tokenizer_path: Optional[str]
+    """Tokenizer directory; null: the model directory."""
+    use_remove_padding: bool
+    """Pack the real tokens of a micro-batch into one sequence (required for Ulysses SP > 1)."""
+    enable_gradient_checkpointing: bool
+    """Recompute activations in the backward pass to save memory."""
+    trust_remote_code: bool
+    """Let transformers run model code shipped in the model directory."""
+
+
+@dataclass(frozen=True)
+class OptimSection:
+    """AdamW and its learning-rate schedule (a section of the config; the engine's resolved form is
+    `ballast.engine.OptimConfig`)."""
+
+    lr: float
+    """Peak learning rate (> 0)."""
+    betas: List[float]
+    """AdamW's two betas, each in [0, 1)."""
+    weight_decay: float
+    """AdamW's decoupled weight decay (>= 0)."""
+    lr_warmup_steps: int
+    """Linear warmup steps; <= 0 uses `lr_warmup_steps_ratio` of the total instead."""
+    lr_warmup_steps_ratio: float
+    """Warmup as a fraction of the total steps, in [0, 1], when `lr_warmup_steps <= 0`."""
+    lr_scheduler_type: str
+    """After warmup: `constant`, or `cosine` decay to `min_lr_ratio * lr` at the last step."""
+    warmup_style: Optional[str]
+    """verl's deprecated spelling of `lr_scheduler_type`; when set it overrides it."""
+    min_lr_ratio: float
+    """Floor of the cosine decay as a fraction of `lr`, in [0, 1]."""
+    total_training_steps: int
+    """Steps the schedule spans; -1: the trainer's step count."""
+
+
+@dataclass(frozen=True)
+class FSDPConfig:
+    param_offload: bool
+    """verl: parameters in host memory between phases. Not implemented: true is a start-up error."""
+    optimizer_offload: bool
+    """verl: optimizer states in host memory between updates. Not implemented: true is a start-up error."""
+    offload_policy: bool
+    """FSDP2 CPU offload of parameters, gradients and optimizer states (CUDA only)."""
+    reshard_after_forward: bool
+    """Free the gathered parameters after each forward (FSDP2's `reshard_after_forward`)."""
+    fsdp_size: int
+    """-1: shard over every worker, the only layout implemented (hybrid sharding is not)."""
+
+
+@dataclass(frozen=True)
+class RefFSDPConfig:
+    param_offload: bool
+    """Keep the reference model's parameters in host memory (FSDP2 CPU offload, CUDA only)."""
+    offload_policy: bool
+    """FSDP2 CPU offload of the reference model (the same as `param_offload` for it)."""
+    reshard_after_forward: bool
+    """Free the gathered parameters after each forward."""

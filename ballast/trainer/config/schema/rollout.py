@@ -1,0 +1,81 @@
+"""Schema of `actor_rollout_ref.rollout`: generation (vLLM or HF) and the old-log-prob pass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class ValKwargs:
+    top_k: int
+    """Validation top-k; -1: off."""
+    top_p: float
+    """Validation nucleus threshold, in (0, 1]."""
+    temperature: float
+    """Validation temperature (> 0 when `do_sample`; unused when greedy)."""
+    n: int
+    """Answers per validation prompt; > 1 adds the `@n` metrics and needs `do_sample`."""
+    do_sample: bool
+    """Sample validation answers; false: greedy."""
+
+
+@dataclass(frozen=True)
+class RolloutSection:
+    """Generation settings (a section of the config; the rollout's resolved form is
+    `ballast.workers.rollout.RolloutConfig`)."""
+
+    name: str
+    """Rollout backend: `vllm` or `hf` (transformers generate)."""
+    mode: str
+    """`sync` (batched generation); verl's `async` agent loop is not implemented (a start-up error)."""
+    temperature: float
+    """Sampling temperature (> 0 when `do_sample`); the actor's log-probs use the same one."""
+    top_k: int
+    """Top-k sampling; -1: off."""
+    top_p: float
+    """Nucleus sampling threshold, in (0, 1]."""
+    do_sample: bool
+    """Sample; false: greedy decoding."""
+    n: int
+    """Answers per prompt (the GRPO/RLOO group size)."""
+    prompt_length: int
+    """Prompt capacity in tokens; at least `data.max_prompt_length`."""
+    response_length: int
+    """Tokens generated per answer; at least `data.max_response_length`."""
+    dtype: str
+    """Engine dtype: `auto` (bfloat16 on CUDA, float32 on CPU), `float32`, `bfloat16` or `float16`."""
+    gpu_memory_utilization: float
+    """Fraction of the GPU's total memory that must be free when vLLM starts (after actor/ref load)."""
+    kv_cache_memory_bytes: Optional[int]
+    """Fixed vLLM KV-cache size on any device; null: from `gpu_memory_utilization` / `cpu_kv_cache_gib`."""
+    cpu_kv_cache_gib: int
+    """vLLM KV cache on CPU in GiB, the CPU counterpart of `gpu_memory_utilization`."""
+    ignore_eos: bool
+    """Always generate `response_length` tokens (benchmarks)."""
+    enforce_eager: bool
+    """Run vLLM without CUDA graphs."""
+    free_cache_engine: bool
+    """Release vLLM's KV cache and weights during training on GPU (sleep/wake up)."""
+    tensor_model_parallel_size: int
+    """vLLM tensor-parallel group size; the rollout data-parallel size is world size / this."""
+    max_num_batched_tokens: int
+    """vLLM's token budget per scheduler step."""
+    max_model_len: Optional[int]
+    """vLLM's context length; null: `prompt_length + response_length`."""
+    max_num_seqs: int
+    """vLLM's most sequences per scheduler step."""
+    enable_chunked_prefill: bool
+    """Let vLLM split long prompts over scheduler steps."""
+    calculate_log_probs: bool
+    """Return the rollout engine's log-probs (logged against the actor's as `training/rollout_*`)."""
+    seed: int
+    """Base sampling seed; each engine, call and row derives its own from it."""
+    log_prob_micro_batch_size_per_gpu: Optional[int]
+    """Samples per micro-batch of the actor's old-log-prob pass (static micro-batches)."""
+    log_prob_use_dynamic_bsz: bool
+    """Token-budget micro-batches for the old-log-prob pass."""
+    log_prob_max_token_len_per_gpu: int
+    """Dynamic token budget per device of the old-log-prob pass."""
+    val_kwargs: ValKwargs
+    """Sampling for validation."""
