@@ -19,8 +19,11 @@ The alternatives are built only for ranks of at most 32 samples (see
 ``_ALTERNATIVES_MAX_SAMPLES_PER_RANK``); larger mini-batches get the joint plan alone.
 
 The first is the previous planner; keeping the cheapest makes the result never worse than any of
-them on the cost model. :func:`lockstep_lower_bounds` gives the perfect-split bound and a tighter
-one that accounts for indivisible samples and the per-micro-batch cap.
+them on the cost model. The kept plan is then refined by swaps of single samples between any two
+micro-batches, across ranks too (:func:`refine_lockstep_across_ranks`; skipped when GRPO groups must
+stay on one rank), which only ever lowers its cost; its candidate name then ends in
+``+cross_rank``. :func:`lockstep_lower_bounds` gives the perfect-split bound and a tighter one that
+accounts for indivisible samples and the per-micro-batch cap.
 """
 
 from __future__ import annotations
