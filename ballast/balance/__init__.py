@@ -8,14 +8,15 @@
   :func:`plan_dynamic_micro_batches`, :func:`plan_joint_micro_batches`, :func:`inverse_permutation`;
 * length bucketing: :func:`bucket_ids`, :func:`min_bucketed_micro_batches`,
   :func:`plan_bucketed_micro_batches` (micro-batches that never mix prompt-length buckets);
-* the lockstep cost model of FSDP micro-steps: :func:`lockstep_cost`, :func:`refine_lockstep`;
+* the lockstep cost model of FSDP micro-steps: :func:`lockstep_cost`, :func:`refine_lockstep`
+  (exchanges inside each rank), :func:`refine_lockstep_across_ranks` (swaps between ranks too);
 * the whole-step plan the trainer runs: :func:`plan_step` -> :class:`StepPlan` (DP partition and
   micro-batches chosen together), :func:`lockstep_lower_bounds`.
 """
 
 from .bucketing import bucket_ids, min_bucketed_micro_batches, plan_bucketed_micro_batches
 from .dp_balance import BalancePlan, balance_batch, balance_metrics
-from .joint import lockstep_cost, plan_joint_micro_batches, refine_lockstep
+from .joint import lockstep_cost, plan_joint_micro_batches, refine_lockstep, refine_lockstep_across_ranks
 from .micro_batch import (
     inverse_permutation,
     min_micro_batches,
@@ -50,6 +51,7 @@ __all__ = [
     "plan_static_micro_batches",
     "plan_step",
     "refine_lockstep",
+    "refine_lockstep_across_ranks",
     "refine_partition",
     "validate_partition",
     "workload_costs",

@@ -128,6 +128,139 @@ def refine_lockstep(
     return [[np.flatnonzero(bin_of[r] == j) for j in range(m)] for r in range(dp)]
 
 
+# Work refine_lockstep_across_ranks may spend by default: per step examined, a fixed charge for its
+# bookkeeping plus the (sample, partner) pairs scored. A count rather than a clock keeps the result
+# deterministic; this one bounds the refinement to about a fifth of a CPU-second on a 2-core box
+# (long-context steps at N=4096 to 8192 reach it; the others converge before it).
+CROSS_RANK_WORK = 15_000_000
+_STEP_CHARGE = 4_000
+# A pass of swaps that lowers the lockstep cost by less than this fraction ends the refinement: on
+# steps already within a hair of the bound, further passes would cost time for nothing measurable.
+_MIN_PASS_GAIN = 1e-5
+# Partners scored per sample of the slowest micro-batch: this many on each side of the ideal
+# partner cost in cost order. Scoring every sample instead found slightly better swaps per step on
+# the benchmark's long-context cases but at several times the time per step, so fewer steps within
+# the work budget and a worse plan at N=8192; 16 per side was worse at N=4096.
+_PARTNER_WINDOW = 32
+
+
+def _best_cross_rank_swap(
+    costs: np.ndarray,
+    tokens: np.ndarray,
+    bin_of: np.ndarray,
+    inside: np.ndarray,
+    by_cost: np.ndarray,
+    sorted_costs: np.ndarray,
+    step_cost: np.ndarray,
+    bin_tokens: np.ndarray,
+    peaks: np.ndarray,
+    j: int,
+    excess: float,
+    max_tokens: int,
+    tol: float,
+) -> tuple[float, int, int, int]:
+    """Best swap of a sample of step ``j``'s slowest micro-batch (its samples: ``inside``) with a
+    cheaper sample of any other micro-batch: (gain, sample out, sample in, pairs scored).
+
+    ``step_cost``/``bin_tokens``: per micro-batch ``r * m + j``; ``peaks``: each step's max;
+    ``by_cost``: the samples in increasing cost order (``sorted_costs`` their costs). Swapping in a
+    partner ``delta`` cheaper from a micro-batch of another step, ``slack`` below that step's max,
+    changes the lockstep cost by ``-min(delta, excess) + max(0, delta - slack)``, so the ideal
+    partner is ``excess`` cheaper; only the ``_PARTNER_WINDOW`` samples on each side of it in cost
+    order are scored. From another rank's micro-batch of step ``j`` itself, the step's new max is at
+    most ``max(peak - delta, second, other + delta)``.
+    """
+    m = len(peaks)
+    b = int(bin_of[inside[0]])
+    c_in, t_in = costs[inside], tokens[inside]
+    cheaper = np.searchsorted(sorted_costs, c_in, "left")  # positions below it: strictly cheaper
+    ideal = np.searchsorted(sorted_costs, c_in - excess, "left")
+    pos = ideal[:, None] + np.arange(-_PARTNER_WINDOW, _PARTNER_WINDOW)[None, :]
+    valid = (pos >= 0) & (pos < cheaper[:, None])
+    partner = by_cost.take(pos, mode="clip")
+    dest = bin_of[partner]
+    slack = peaks[dest % m] - step_cost[dest]
+    delta = c_in[:, None] - costs[partner]
+    moved = t_in[:, None] - tokens[partner]  # tokens that enter the partner's micro-batch
+    gain = np.where(
+        dest % m == j,
+        np.minimum(np.minimum(delta, excess), slack - delta),
+        np.minimum(delta, excess) - np.maximum(0.0, delta - slack),
+    )
+    ok = valid & (dest != b) & (delta > tol)
+    ok &= (moved <= max_tokens - bin_tokens[dest]) & (-moved <= max_tokens - bin_tokens[b])
+    gain = np.where(ok, gain, -np.inf)
+    a, o = divmod(int(np.argmax(gain)), gain.shape[1])
+    return float(gain[a, o]), int(inside[a]), int(partner[a, o]), gain.size
+
+
+def refine_lockstep_across_ranks(
+    costs: np.ndarray,
+    tokens: np.ndarray,
+    plan: Sequence[Sequence[np.ndarray]],
+    max_tokens: int,
+    max_work: int = CROSS_RANK_WORK,
+) -> list[list[np.ndarray]]:
+    """Lower ``sum_j max_r cost[r][j]`` by swapping one sample of a step's slowest micro-batch with
+    one cheaper sample of any other micro-batch, of the same rank or of another one.
+
+    ``plan[r][j]``: indices into the global ``costs``/``tokens`` of rank ``r``'s ``j``-th
+    micro-batch. Each pass visits the steps in decreasing order of how far their slowest micro-batch
+    leads the second slowest and applies, per step, the best swap found (partners near the ideal
+    cost, see :func:`_best_cross_rank_swap`). Every applied swap strictly lowers the lockstep cost
+    and keeps every micro-batch non-empty and within ``max_tokens``, every rank's sample count, and
+    micro-step ``j`` as micro-step ``j``. The passes stop when one lowers the cost by less than a
+    1e-5 fraction or after about ``max_work`` units of work; the result is deterministic. Returns
+    the new ``plan[r][j]`` (ascending indices).
+    """
+    dp = len(plan)
+    m = len(plan[0]) if dp else 0
+    if any(len(rank) != m for rank in plan):
+        raise ValueError(f"ranks have different micro-batch counts {[len(rank) for rank in plan]}")
+    costs = np.asarray(costs, dtype=np.float64)
+    tokens = np.asarray(tokens, dtype=np.float64)
+    bin_of = np.full(len(costs), -1, dtype=np.int64)
+    for r, rank in enumerate(plan):
+        for j, mb in enumerate(rank):
+            bin_of[np.asarray(mb, dtype=np.int64)] = r * m + j
+    members = np.flatnonzero(bin_of >= 0)
+    step_cost = np.bincount(bin_of[members], weights=costs[members], minlength=dp * m)
+    bin_tokens = np.bincount(bin_of[members], weights=tokens[members], minlength=dp * m)
+    grid = step_cost.reshape(dp, m)  # a view: the updates to step_cost show in it
+    tol = 1e-9 * float(step_cost.max(initial=0.0))
+    by_cost = members[np.argsort(costs[members], kind="stable")]
+    sorted_costs = costs[by_cost]
+    work = 0
+    while dp > 1 and m > 0 and work < max_work:
+        pass_gain = 0.0
+        lead = grid.max(axis=0) - np.partition(grid, dp - 2, axis=0)[dp - 2]
+        for j in np.argsort(-lead, kind="stable").tolist():
+            if work >= max_work:
+                break
+            column = grid[:, j]
+            r = int(np.argmax(column))
+            excess = float(column[r] - np.partition(column, dp - 2)[dp - 2])  # earlier swaps moved it
+            if excess <= tol:
+                continue
+            gain, i, o, pairs = _best_cross_rank_swap(
+                costs, tokens, bin_of, np.flatnonzero(bin_of == r * m + j), by_cost, sorted_costs,
+                step_cost, bin_tokens, grid.max(axis=0), j, excess, max_tokens, tol,
+            )
+            work += _STEP_CHARGE + pairs
+            if gain <= tol:
+                continue
+            b, d = r * m + j, int(bin_of[o])
+            step_cost[b] += costs[o] - costs[i]; step_cost[d] += costs[i] - costs[o]  # noqa: E702
+            bin_tokens[b] += tokens[o] - tokens[i]; bin_tokens[d] += tokens[i] - tokens[o]  # noqa: E702
+            bin_of[i], bin_of[o] = d, b
+            pass_gain += gain
+        if pass_gain <= _MIN_PASS_GAIN * float(grid.max(axis=0).sum()):
+            break
+    order = members[np.argsort(bin_of[members], kind="stable")]
+    bounds = np.searchsorted(bin_of[order], np.arange(dp * m + 1))
+    return [[order[bounds[r * m + j]: bounds[r * m + j + 1]] for j in range(m)] for r in range(dp)]
+
+
 def plan_joint_micro_batches(
     lengths_per_rank: Sequence[Sequence[int] | np.ndarray],
     max_tokens: int,

@@ -12,7 +12,7 @@ held under a cap by every exchange.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
@@ -71,18 +71,23 @@ def _best_exchange(
     return best
 
 
-def _best_exchange_dense(
-    w: np.ndarray,
-    tok: np.ndarray | None,
-    bin_of: np.ndarray,
-    h: int,
-    sums: np.ndarray,
-    room: np.ndarray,
-    allow_move: bool,
-    eps: float,
-) -> tuple[int, int, int] | None:
+class _State(NamedTuple):
+    """What an exchange search reads: weights, tokens (or None), each item's partition, partition
+    sums and token slack, whether single moves are allowed, and the tolerance."""
+
+    w: np.ndarray
+    tok: np.ndarray | None
+    bin_of: np.ndarray
+    sums: np.ndarray
+    room: np.ndarray
+    allow_move: bool
+    eps: float
+
+
+def _best_exchange_dense(state: _State, h: int) -> tuple[int, int, int] | None:
     """Over every partner at once (small inputs): the exchange with the lowest resulting
     ``max(sum(H), sum(P))``, as (partner, i, j) with j == -1 for a move."""
+    w, tok, bin_of, sums, room, allow_move, eps = state
     idx_h = np.flatnonzero(bin_of == h)
     idx_o = np.flatnonzero(bin_of != h)
     top = sums[h]
@@ -113,17 +118,9 @@ def _best_exchange_dense(
     return best
 
 
-def _exchange_by_partner(
-    w: np.ndarray,
-    tok: np.ndarray | None,
-    bin_of: np.ndarray,
-    h: int,
-    sums: np.ndarray,
-    room: np.ndarray,
-    allow_move: bool,
-    eps: float,
-) -> tuple[int, int, int] | None:
+def _exchange_by_partner(state: _State, h: int) -> tuple[int, int, int] | None:
     """Large inputs: partners from the lightest up; the first with a valid exchange wins."""
+    w, tok, bin_of, sums, room, allow_move, eps = state
     idx_h = np.flatnonzero(bin_of == h)
     for p in np.argsort(sums, kind="stable"):
         p = int(p)
@@ -178,7 +175,7 @@ def refine_partition(
         eps = 1e-12 * max(float(sums[h]), 1e-300)
         size_h = int(np.count_nonzero(bin_of == h))
         search = _best_exchange_dense if size_h * (n - size_h) <= _DENSE_LIMIT else _exchange_by_partner
-        found = search(w, tok, bin_of, h, sums, room, not keep_sizes, eps)
+        found = search(_State(w, tok, bin_of, sums, room, not keep_sizes, eps), h)
         if found is None:
             break
         p, i, j = found

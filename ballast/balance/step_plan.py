@@ -19,8 +19,11 @@ The alternatives are built only for ranks of at most 32 samples (see
 ``_ALTERNATIVES_MAX_SAMPLES_PER_RANK``); larger mini-batches get the joint plan alone.
 
 The first is the previous planner; keeping the cheapest makes the result never worse than any of
-them on the cost model. :func:`lockstep_lower_bounds` gives the perfect-split bound and a tighter
-one that accounts for indivisible samples and the per-micro-batch cap.
+them on the cost model. The kept plan is then refined by swaps of single samples between any two
+micro-batches, across ranks too (:func:`refine_lockstep_across_ranks`; skipped when GRPO groups must
+stay on one rank), which only ever lowers its cost; its candidate name then ends in
+``+cross_rank``. :func:`lockstep_lower_bounds` gives the perfect-split bound and a tighter one that
+accounts for indivisible samples and the per-micro-batch cap.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .dp_balance import balance_batch
-from .joint import lockstep_cost, plan_joint_micro_batches, refine_lockstep
+from .joint import lockstep_cost, plan_joint_micro_batches, refine_lockstep, refine_lockstep_across_ranks
 from .micro_batch import _tokens_and_cap
 from .partition import karmarkar_karp, validate_partition
 from .workload import Workload, workload_costs
@@ -128,6 +131,15 @@ def _align_and_refine(costs: list[np.ndarray], tokens: list[np.ndarray], plan: l
     return [[rank[j] for j in steps] for rank in plan]
 
 
+def _refine_across_ranks(costs: np.ndarray, tokens: np.ndarray, micro: list[list[np.ndarray]],
+                         max_tokens: int) -> list[list[np.ndarray]]:
+    """Swaps across ranks (:func:`refine_lockstep_across_ranks`), then steps by decreasing cost."""
+    micro = refine_lockstep_across_ranks(costs, tokens, micro, max_tokens)
+    step_cost = np.array([[costs[mb].sum() for mb in rank] for rank in micro]).max(axis=0)
+    steps = sorted(range(len(micro[0])), key=lambda j: -step_cost[j])
+    return [[rank[j] for j in steps] for rank in micro]
+
+
 def _kk_micro(tokens: list[np.ndarray], max_tokens: int) -> list[list[np.ndarray]] | None:
     """Per-rank Karmarkar-Karp on ``"verl"`` costs, the count grown until every rank fits the cap."""
     k = max(min(len(t), math.ceil(int(t.sum()) / max_tokens)) for t in tokens)
@@ -192,6 +204,11 @@ def plan_step(
                 best = (cost, cand, [[np.asarray(p)[mb] for mb in rank] for p, rank in zip(parts, local)])
     assert best is not None
     cost, cand, micro = best
+    if group_ids is None and dp > 1:
+        micro = _refine_across_ranks(costs, tokens, micro, max_tokens)
+        refined = lockstep_cost([[float(costs[mb].sum()) for mb in rank] for rank in micro])
+        if refined < cost:
+            cost, cand = refined, f"{cand}+cross_rank"
     for rank in micro:
         assert all(tokens[mb].sum() <= max_tokens and len(mb) for mb in rank), "plan broke the cap"
     validate_partition([mb for rank in micro for mb in rank], n)
