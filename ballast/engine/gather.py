@@ -3,7 +3,7 @@
 Weight sync (actor -> rollout engine) and HF export need every parameter whole on every rank.
 `DTensor.full_tensor()` issues one all-gather per parameter; on CPU/gloo each is a network round
 trip, and a 30-layer model has ~270 of them. Here the local shards of consecutive parameters are
-packed into one flat buffer, gathered with a single `all_gather_into_tensor`, and cut back into full
+packed into one flat buffer, gathered with a single `all_gather_single`, and cut back into full
 tensors. FSDP2 shards dim 0 in rank order with `ceil(dim0 / world)` rows per rank (the last ranks may
 hold fewer or none), so padding every local shard to that row count makes the gathered buffer, read
 rank by rank, exactly the padded full tensor.
@@ -51,7 +51,7 @@ def _gather_bucket(items: list[tuple[str, DTensor]]) -> Iterator[tuple[str, torc
         layout.append((name, tuple(tensor.shape), rows * row_numel))
     flat = torch.cat(local_parts)
     gathered = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
-    dist.all_gather_into_tensor(gathered, flat, group=group)
+    dist.all_gather_single(gathered, flat, group=group)
     per_rank = gathered.view(world, flat.numel())
     offset = 0
     for name, shape, numel in layout:
