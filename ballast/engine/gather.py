@@ -40,24 +40,25 @@ def _gather_bucket(items: list[tuple[str, DTensor]]) -> Iterator[tuple[str, torc
     first = items[0][1]
     world = first.device_mesh.size()
     group = first.device_mesh.get_group()
-    local_parts, layout = [], []
+    layout, size = [], 0
     for name, tensor in items:
-        local = tensor.to_local().detach()
-        rows = _rows_per_rank(tensor)
-        row_numel = math.prod(tensor.shape[1:])
-        padded = torch.zeros((rows, *tensor.shape[1:]), dtype=local.dtype, device=local.device)
-        padded[:local.shape[0]] = local
-        local_parts.append(padded.reshape(-1))
-        layout.append((name, tuple(tensor.shape), rows * row_numel))
-    flat = torch.cat(local_parts)
+        numel = _rows_per_rank(tensor) * math.prod(tensor.shape[1:])
+        layout.append((name, tensor, size, numel))
+        size += numel
+    # One copy in: each local shard straight into its slot, only the padding rows zeroed.
+    flat = torch.empty(size, dtype=first.dtype, device=first.to_local().device)
+    for _, tensor, offset, numel in layout:
+        local = tensor.to_local().detach().reshape(-1)
+        flat[offset:offset + local.numel()].copy_(local)
+        flat[offset + local.numel():offset + numel].zero_()
     gathered = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
     dist.all_gather_single(gathered, flat, group=group)
-    per_rank = gathered.view(world, flat.numel())
-    offset = 0
-    for name, shape, numel in layout:
-        # rank r's padded rows, in rank order, are rows [r * rows, (r + 1) * rows) of the full tensor
+    per_rank = gathered.view(world, size)
+    for name, tensor, offset, numel in layout:
+        shape = tuple(tensor.shape)
+        # rank r's padded rows, in rank order, are rows [r * rows, (r + 1) * rows) of the full tensor;
+        # (the reshape of this strided slice is the one copy out; the row prefix of it stays contiguous)
         full = per_rank[:, offset:offset + numel].reshape(-1, *shape[1:])[:shape[0]]
-        offset += numel
         yield name, full.contiguous()
 
 

@@ -8,13 +8,25 @@ cut into equal contiguous chunks, one per DP rank; inside a chunk the first
 
 from __future__ import annotations
 
-from typing import Dict, Sequence
+from typing import Dict, Optional, Sequence
 
 import numpy as np
 import torch
 
+from ballast.balance import balance_batch, plan_step
 from ballast.protocol import Batch
 from ballast.trainer.algorithms import masked_mean
+
+
+def pass_layout(lengths: np.ndarray, dp: int, token_budget: Optional[int], workload, group_ids=None):
+    """(sample order, DP partitions, central micro-batch plan or None) of an inference pass: with a
+    token budget, ranks and micro-batches planned together (`plan_step`); without one (static or
+    length-bucketed micro-batches, which the ranks cut themselves), a balanced DP split only."""
+    if token_budget is not None:
+        step_plan = plan_step(lengths, dp, token_budget, workload=workload, group_ids=group_ids)
+        return step_plan.order, step_plan.partitions, step_plan.local_micro_batches()
+    plan = balance_batch(lengths, dp, workload=workload, group_ids=group_ids)
+    return plan.order, plan.partitions, None
 
 
 def first_mini_batch_rows(update_rows: np.ndarray, dp: int, mini_batch_samples_per_rank: int) -> np.ndarray:

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ballast.balance import BalancePlan, FlopsModel, balance_batch, balance_metrics, plan_step, workload_costs
+from ballast.balance import BalancePlan, FlopsModel, balance_metrics, workload_costs
 from ballast.protocol import METRICS_KEY, Batch
 from ballast.trainer.algorithms import get_adv_estimator, kl_penalty, make_kl_controller, masked_mean
 from ballast.trainer.algorithms.policy_loss import actor_constant_metrics
@@ -47,8 +47,8 @@ from ballast.trainer.data_setup import RunData
 from ballast.trainer.dynamic_sampling import count_groups, filter_metric_values, informative_groups, sampling_metrics
 from ballast.trainer.metrics import data_metrics, rollout_probs_diff_metrics, throughput_metrics, timing_metrics
 from ballast.trainer.monitor import BalanceMonitor, micro_batch_metrics, rank_load_metrics
-from ballast.trainer.old_log_probs import fill_from_update, first_mini_batch_rows, old_log_prob_metrics
-from ballast.trainer.step_plans import UpdatePlan, plan_update
+from ballast.trainer.old_log_probs import fill_from_update, first_mini_batch_rows, old_log_prob_metrics, pass_layout
+from ballast.trainer.step_plans import UpdatePlan, UpdatePlanner
 from ballast.workers.actor_rollout_ref import UPDATE_WEIGHTS_METRIC
 from ballast.workers.rollout.base import validation_call_index
 from ballast.workers.train_loop import LOG_PROB_PLAN_KEY, MINI_BATCH_PLANS_KEY
@@ -82,13 +82,14 @@ class RayPPOTrainer:
         self.kl_ctrl = make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         workload = cfg.trainer.balance_workload
         self.workload = FlopsModel.from_hf_config(model_config) if workload == "flops" else workload
+        self.planner = UpdatePlanner(cfg, sizes, self.workload)
         self.total_steps = data.total_steps
         self.actor_loss_cfg = actor_loss_config(cfg)
         # The first mini-batch's old log-probs come from the update's own forward: no separate pass
         # with one mini-batch, a pass over the other rows otherwise (see ballast.workers.on_policy).
         self.old_log_prob_mode = first_mini_batch_mode(
             sizes.actor.num_mini_batches, cfg.actor_rollout_ref.actor.ppo_epochs, cfg.algorithm.use_kl_in_reward,
-            central_plan=self._plans_centrally("actor"))
+            central_plan=self.planner.plans_centrally("actor"))
         self.global_step = 0
         self._nonfinite_in_a_row = 0
         self._pending_metrics: Dict[str, float] = {}  # measured after a step's row was logged
@@ -243,18 +244,15 @@ class RayPPOTrainer:
         lengths = batch["attention_mask"].sum(-1).numpy()
         dp = self.sizes.actor.dp_size
         groups = batch["uid"] if self.cfg.trainer.balance_keep_groups else None
-        infer = self.sizes.actor.infer
-        bucketed = self.cfg.actor_rollout_ref.actor.dynamic_bsz_bucketing
-        if self.cfg.trainer.balance_batch and infer.use_dynamic_bsz and not bucketed:
+        if self.cfg.trainer.balance_batch:
             # The old-log-prob pass is one mini-batch of the whole step: plan ranks and micro-batches together.
-            step_plan = plan_step(lengths, dp, self.sizes.actor.token_budget(infer), workload=self.workload,
-                                  group_ids=groups)
-            costs = workload_costs(lengths, self.workload)
-            plan = BalancePlan(step_plan.order, step_plan.partitions,
-                               balance_metrics(lengths, costs, step_plan.partitions, dp))
-            batch.meta[LOG_PROB_PLAN_KEY] = step_plan.local_micro_batches()
+            order, partitions, micro_plan = pass_layout(lengths, dp, self._log_prob_budget(), self.workload, groups)
+            if micro_plan is not None:
+                batch.meta[LOG_PROB_PLAN_KEY] = micro_plan
         else:
-            plan = balance_batch(lengths, dp, workload=self.workload, group_ids=groups)
+            order, partitions, _ = pass_layout(lengths, dp, None, self.workload, groups)
+        plan = BalancePlan(order, partitions,
+                           balance_metrics(lengths, workload_costs(lengths, self.workload), partitions, dp))
         if self.cfg.trainer.balance_batch:
             batch.reorder(plan.order)
             metrics = dict(plan.metrics)
@@ -301,19 +299,21 @@ class RayPPOTrainer:
         entropy[torch.as_tensor(rows)] = out["entropy"].to(entropy.dtype)
         return {k: float(np.mean(v)) for k, v in out.meta.get("metrics", {}).items() if v}
 
-    def _layout_log_prob_pass(self, sub: Batch) -> np.ndarray:
-        """Balance `sub` over the DP ranks for a pass of its own (in place; with dynamic batches, also
-        its central micro-batch plan); returns the order applied."""
-        lengths = sub["attention_mask"].sum(-1).numpy()
-        dp, infer = self.sizes.actor.dp_size, self.sizes.actor.infer
-        groups = sub["uid"] if self.cfg.trainer.balance_keep_groups else None
+    def _log_prob_budget(self) -> Optional[int]:
+        """The old-log-prob pass's token budget per micro-batch when the driver plans it, else None."""
+        infer = self.sizes.actor.infer
         if infer.use_dynamic_bsz and not self.cfg.actor_rollout_ref.actor.dynamic_bsz_bucketing:
-            step_plan = plan_step(lengths, dp, self.sizes.actor.token_budget(infer), workload=self.workload,
-                                  group_ids=groups)
-            order = step_plan.order
-            sub.meta[LOG_PROB_PLAN_KEY] = step_plan.local_micro_batches()
-        else:
-            order = balance_batch(lengths, dp, workload=self.workload, group_ids=groups).order
+            return self.sizes.actor.token_budget(infer)
+        return None
+
+    def _layout_log_prob_pass(self, sub: Batch) -> np.ndarray:
+        """Balance `sub` over the DP ranks for a pass of its own (in place, with its central
+        micro-batch plan when dynamic); returns the order applied."""
+        groups = sub["uid"] if self.cfg.trainer.balance_keep_groups else None
+        order, _, micro_plan = pass_layout(sub["attention_mask"].sum(-1).numpy(), self.sizes.actor.dp_size,
+                                           self._log_prob_budget(), self.workload, groups)
+        if micro_plan is not None:
+            sub.meta[LOG_PROB_PLAN_KEY] = micro_plan
         sub.reorder(order)
         return np.asarray(order)
 
@@ -334,28 +334,12 @@ class RayPPOTrainer:
         batch["advantages"], batch["returns"] = adv, returns
         return metrics
 
-    def _plans_centrally(self, role: str) -> bool:
-        """Whether the driver plans `role`'s update (balancing on, dynamic micro-batches, no length
-        buckets); otherwise its ranks plan alone."""
-        sizes = getattr(self.sizes, role)
-        if sizes is None or sizes.train is None:
-            return False
-        role_cfg = self.cfg.actor_rollout_ref.actor if role == "actor" else self.cfg.critic
-        bucketed = bool(getattr(role_cfg, "dynamic_bsz_bucketing", False))
-        return self.cfg.trainer.balance_batch and sizes.train.use_dynamic_bsz and not bucketed
-
     def plan_update(self, batch: Batch, role: str) -> Optional[UpdatePlan]:
-        """The central plan of `role`'s update (every epoch's mini-batches, each rank's samples and
-        micro-batches, see `step_plans`), or None when its ranks plan alone."""
-        if not self._plans_centrally(role):
+        """The central plan of `role`'s update (see `step_plans`), or None when its ranks plan alone."""
+        if not self.planner.plans_centrally(role):
             return None
-        sizes = getattr(self.sizes, role)
-        role_cfg = self.cfg.actor_rollout_ref.actor if role == "actor" else self.cfg.critic
         groups = batch["uid"] if self.cfg.trainer.balance_keep_groups else None
-        return plan_update(batch["attention_mask"].sum(-1).numpy(), sizes.dp_size, sizes.mini_batch_samples,
-                           sizes.token_budget(sizes.train), role_cfg.ppo_epochs, role_cfg.shuffle,
-                           seed=[self.cfg.trainer.seed, self.global_step, int(role == "critic")],
-                           workload=self.workload, group_ids=groups)
+        return self.planner.plan(batch["attention_mask"].sum(-1).numpy(), role, self.global_step, groups)
 
     def central_plan(self, batch: Batch, role: str,
                      plan: Optional[UpdatePlan] = None) -> tuple[Batch, Dict[str, float]]:

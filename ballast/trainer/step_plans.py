@@ -80,3 +80,35 @@ def plan_update(
                "plan/lockstep_over_attainable_bound": float(np.mean(attainable)),
                "plan/num_micro_batches": float(np.mean([len(p[0]) for p in plans]))}
     return UpdatePlan(rows=rows, plans=plans, metrics=metrics)
+
+
+class UpdatePlanner:
+    """Which update phases the driver plans centrally, and their plans for one step.
+
+    A role is planned centrally when balancing is on, its micro-batches are dynamic and not
+    length-bucketed; otherwise its ranks plan alone (and `plan` returns None).
+    """
+
+    def __init__(self, cfg, sizes, workload: Workload) -> None:
+        self.cfg, self.sizes, self.workload = cfg, sizes, workload
+
+    def _role(self, role: str):
+        role_cfg = self.cfg.actor_rollout_ref.actor if role == "actor" else self.cfg.critic
+        return getattr(self.sizes, role), role_cfg
+
+    def plans_centrally(self, role: str) -> bool:
+        sizes, role_cfg = self._role(role)
+        if sizes is None or sizes.train is None:
+            return False
+        bucketed = bool(getattr(role_cfg, "dynamic_bsz_bucketing", False))
+        return bool(self.cfg.trainer.balance_batch and sizes.train.use_dynamic_bsz and not bucketed)
+
+    def plan(self, lengths: np.ndarray, role: str, global_step: int, group_ids: Any = None) -> Optional[UpdatePlan]:
+        """The central plan of `role`'s update for the step after `global_step`, or None."""
+        if not self.plans_centrally(role):
+            return None
+        sizes, role_cfg = self._role(role)
+        return plan_update(lengths, sizes.dp_size, sizes.mini_batch_samples, sizes.token_budget(sizes.train),
+                           role_cfg.ppo_epochs, role_cfg.shuffle,
+                           seed=[self.cfg.trainer.seed, global_step, int(role == "critic")],
+                           workload=self.workload, group_ids=group_ids)
