@@ -32,6 +32,7 @@ python -m ballast.trainer.main \
   actor_rollout_ref.model.path="$MODEL" data.train_files="$DATA/train.parquet" data.val_files="$DATA/val.parquet" \
   data.max_prompt_length=64 data.max_response_length=32 data.train_batch_size=8 data.seed="$SEED" \
   actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.n=4 actor_rollout_ref.rollout.seed="$SEED" \
+  actor_rollout_ref.rollout.block_size=32 \
   actor_rollout_ref.actor.ppo_mini_batch_size=4 actor_rollout_ref.actor.optim.lr=1e-5 \
   actor_rollout_ref.actor.use_dynamic_bsz=True actor_rollout_ref.actor.ppo_max_token_len_per_gpu=1024 \
   actor_rollout_ref.model.use_remove_padding=True algorithm.adv_estimator=grpo \

@@ -90,7 +90,7 @@ def sampling_configs(cfg: BallastConfig) -> Tuple[SamplingConfig, SamplingConfig
 def rollout_config(cfg: BallastConfig) -> RolloutConfig:
     r = cfg.actor_rollout_ref.rollout
     train, _ = sampling_configs(cfg)
-    keys = {k: f"{ROLLOUT}.{k}" for k in ("dtype", "max_model_len", "max_num_batched_tokens", "max_num_seqs",
+    keys = {k: f"{ROLLOUT}.{k}" for k in ("dtype", "max_model_len", "max_num_batched_tokens", "max_num_seqs", "block_size",
                                           "gpu_memory_utilization", "kv_cache_memory_bytes",
                                           "tensor_model_parallel_size", "seed")}
     keys.update(backend=f"{ROLLOUT}.name", device="trainer.device", model_path="actor_rollout_ref.model.path",
@@ -99,7 +99,7 @@ def rollout_config(cfg: BallastConfig) -> RolloutConfig:
         keys, RolloutConfig, model_path=cfg.actor_rollout_ref.model.path, backend=r.name, sampling=train,
         device=cfg.trainer.device, dtype=r.dtype, enforce_eager=r.enforce_eager,
         max_model_len=r.max_model_len or (r.prompt_length + r.response_length),
-        max_num_batched_tokens=r.max_num_batched_tokens, max_num_seqs=r.max_num_seqs,
+        max_num_batched_tokens=r.max_num_batched_tokens, max_num_seqs=r.max_num_seqs, block_size=r.block_size,
         enable_chunked_prefill=r.enable_chunked_prefill, gpu_memory_utilization=r.gpu_memory_utilization,
         # Resolved where the engine runs: with trainer.device=auto the driver cannot know the device.
         cpu_kv_cache_memory_bytes=r.cpu_kv_cache_gib * GIB, free_cache_engine=r.free_cache_engine,

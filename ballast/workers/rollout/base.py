@@ -145,6 +145,7 @@ class RolloutConfig:
     max_model_len: int | None = None
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
+    block_size: int | None = None
     enable_chunked_prefill: bool | None = None
     gpu_memory_utilization: float = 0.5
     kv_cache_memory_bytes: int | None = None
@@ -165,7 +166,7 @@ class RolloutConfig:
         _choice("dtype", self.dtype, DTYPES)
         if not isinstance(self.sampling, SamplingConfig):
             raise SpecError("sampling", f"sampling={self.sampling!r} must be a SamplingConfig")
-        for key in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "kv_cache_memory_bytes",
+        for key in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "block_size", "kv_cache_memory_bytes",
                     "cpu_kv_cache_memory_bytes"):
             value = getattr(self, key)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):

@@ -67,7 +67,7 @@ def engine_kwargs(config: RolloutConfig, distributed: bool) -> dict:
         logprobs_mode="processed_logprobs",
         generation_config="vllm",
     )
-    for key in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill"):
+    for key in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "block_size", "enable_chunked_prefill"):
         if getattr(config, key) is not None:
             kwargs[key] = getattr(config, key)
     if distributed:

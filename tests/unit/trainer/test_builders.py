@@ -27,8 +27,10 @@ def test_rollout_knobs_reach_vllm():
     cfg, _, _ = _spec("actor_rollout_ref.rollout.max_num_batched_tokens=4096",
                       "actor_rollout_ref.rollout.max_model_len=1024", "actor_rollout_ref.rollout.enable_chunked_prefill=False",
                       "actor_rollout_ref.rollout.enforce_eager=False", "actor_rollout_ref.rollout.cpu_kv_cache_gib=2",
-                      "actor_rollout_ref.rollout.max_num_seqs=64")
+                      "actor_rollout_ref.rollout.max_num_seqs=64", "actor_rollout_ref.rollout.block_size=32")
     kwargs = engine_kwargs(rollout_config(cfg), distributed=True)
+    assert kwargs["block_size"] == 32
+    assert "block_size" not in engine_kwargs(rollout_config(_spec()[0]), distributed=True)  # null: vLLM's default
     assert kwargs["max_num_batched_tokens"] == 4096 and kwargs["max_model_len"] == 1024
     assert kwargs["enable_chunked_prefill"] is False and kwargs["enforce_eager"] is False
     assert kwargs["kv_cache_memory_bytes"] == 2 << 30 and kwargs["max_num_seqs"] == 64

@@ -65,6 +65,10 @@ class RolloutSection:
     """vLLM's context length; null: `prompt_length + response_length`."""
     max_num_seqs: int
     """vLLM's most sequences per scheduler step."""
+    block_size: Optional[int]
+    """vLLM's KV-cache block size in tokens; null: vLLM's default for the attention backend (128 on
+    CPU). Prefix caching shares only whole blocks, so blocks shorter than the prompts let the n samples
+    of a prompt share its prefill (CPU: a multiple of 32)."""
     enable_chunked_prefill: bool
     """Let vLLM split long prompts over scheduler steps."""
     calculate_log_probs: bool
