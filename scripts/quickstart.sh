@@ -22,6 +22,9 @@ if [[ ! -f "$QS/data/train.parquet" ]]; then
   python examples/data/make_synthetic.py --out "$QS/data" --train-size 2048 --val-size 64 --k-median 8 --k-max 60 --symbols '#'
 fi
 RUN_DIR=outputs/quickstart
+for arg in "$@"; do  # a trainer.default_local_dir override moves the run (and the summary below) elsewhere
+  [[ "$arg" == trainer.default_local_dir=* ]] && RUN_DIR="${arg#trainer.default_local_dir=}"
+done
 echo "[quickstart] training GRPO on CPU; metrics in $RUN_DIR/metrics.jsonl"
 # A rerun starts over; the previous run moves to $RUN_DIR.old-<time> rather than being overwritten.
 python -m ballast.trainer.main --config-name quickstart trainer.resume_mode=disable trainer.move_old_run_aside=true \
