@@ -215,8 +215,11 @@ def trl_main(case: Case, warmup: int, steps: int, threads: int, result_path: str
     k = case.optimizer_steps_per_step
     ends = [start] + marks[k - 1::k]  # end of every full step (one generation + k optimizer steps)
     per_step = [b - a for a, b in zip(ends, ends[1:])]
+    # completion lengths, to compare the work done: responses stop at EOS in both systems, and the
+    # two policies learn apart, so the generated tokens per step can drift apart over a run
+    lengths = [e["completions/mean_length"] for e in trainer.state.log_history if "completions/mean_length" in e]
     with open(result_path, "w") as f:
-        json.dump({"per_step_s": per_step}, f)
+        json.dump({"per_step_s": per_step, "response_length_mean": lengths[k - 1::k]}, f)
 
 
 def run_trl(case: Case, warmup: int, steps: int, threads: int, log_dir: str) -> dict:
@@ -233,8 +236,10 @@ def run_trl(case: Case, warmup: int, steps: int, threads: int, log_dir: str) -> 
         if proc.returncode != 0:
             raise RuntimeError(f"TRL run failed (exit {proc.returncode}); see {log}")
         with open(result) as f:
-            per_step = json.load(f)["per_step_s"][warmup:]
+            out = json.load(f)
+    per_step, lengths = out["per_step_s"][warmup:], out.get("response_length_mean", [])[warmup:]
     return {"s_per_step": statistics.median(per_step), "s_per_step_all": per_step,
+            "response_length_mean": statistics.median(lengths) if lengths else None,
             "wall_s": time.perf_counter() - start, "log": log}
 
 
@@ -292,6 +297,11 @@ def summarise(case: Case, variants: Dict[str, List[dict]], trl: List[dict], peak
     out["ratio_vs_trl"] = out["ballast_s_per_step"] / out["trl_s_per_step"] \
         if trl and out["ballast_s_per_step"] else None
     out["trl_runs"] = trl
+    # the work each system actually generated (median response tokens per sample over the timed steps)
+    out["ballast_response_length_mean"] = statistics.median(r["response_length_mean"] for r in base.get("runs", [])) \
+        if base.get("runs") else None
+    trl_lengths = [r["response_length_mean"] for r in trl if r.get("response_length_mean") is not None]
+    out["trl_response_length_mean"] = statistics.median(trl_lengths) if trl_lengths else None
     return out
 
 
@@ -375,6 +385,7 @@ def main() -> None:
             continue
         result["cases"].append(summary)
         print(json.dumps({k: summary.get(k) for k in ("name", "ballast_s_per_step", "trl_s_per_step", "ratio_vs_trl",
+                                                       "ballast_response_length_mean", "trl_response_length_mean",
                                                        "phases", "mfu_update", "mfu_log_prob", "floor_s")}, indent=1), flush=True)
     result["load_avg_end"] = os.getloadavg()
     if args.json:
