@@ -30,7 +30,7 @@ ROW_INDEX_KEY = "row_index"  # the row's position in this rank's data, to send i
 
 
 def first_mini_batch_mode(num_mini_batches: int, ppo_epochs: int, use_kl_in_reward: bool,
-                          central_plan: bool, enabled: bool = True) -> str:
+                          central_plan: bool) -> str:
     """How the step gets its old log-probs: "update" (no pass: one mini-batch, one epoch), "partial"
     (the pass skips the first mini-batch, whose rows the driver must know: needs a central plan) or
     "pass" (a separate pass over every row).
@@ -38,7 +38,7 @@ def first_mini_batch_mode(num_mini_batches: int, ppo_epochs: int, use_kl_in_rewa
     A reward KL penalty needs the old log-probs before the update (to build the rewards), and with
     several epochs the first mini-batch comes back under updated weights: both rule the shortcut out.
     """
-    if not enabled or ppo_epochs != 1 or use_kl_in_reward:
+    if ppo_epochs != 1 or use_kl_in_reward:
         return "pass"
     if num_mini_batches == 1:
         return "update"

@@ -105,7 +105,6 @@ def test_modes():
     assert first_mini_batch_mode(4, 1, use_kl_in_reward=False, central_plan=False) == "pass"  # rows unknown
     assert first_mini_batch_mode(1, 2, use_kl_in_reward=False, central_plan=True) == "pass"  # epoch 2 differs
     assert first_mini_batch_mode(1, 1, use_kl_in_reward=True, central_plan=True) == "pass"  # reward KL first
-    assert first_mini_batch_mode(2, 1, use_kl_in_reward=False, central_plan=True, enabled=False) == "pass"
 
 
 def test_marked_rows_must_be_in_the_first_mini_batch_of_the_first_epoch():
