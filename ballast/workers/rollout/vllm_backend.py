@@ -259,8 +259,10 @@ class VLLMBackend:
             self.llm.collective_rpc(
                 "reload_weights", kwargs=dict(weights_iterator=counted, is_checkpoint_format=True)
             )
-        # Cached KV blocks were computed with the old weights.
-        self.llm.reset_prefix_cache()
+        # Cached KV blocks were computed with the old weights: sampling from them would be off-policy.
+        if self.llm.reset_prefix_cache() is False:
+            raise RuntimeError("vLLM refused to reset its prefix cache after a weight update (requests still "
+                               "running?); the next rollout would reuse KV blocks of the old weights")
         return counted.count
 
     def sleep(self) -> None:

@@ -164,3 +164,12 @@ def test_backend_refuses_to_serve_or_wake_discarded_weights(fake_vllm, tmp_path)
     assert not backend.needs_weights
     backend.wake_up()
     assert backend.llm.weight == 0 and not backend.llm.asleep
+
+
+def test_a_prefix_cache_that_cannot_be_reset_after_a_weight_update_is_an_error(fake_vllm, tmp_path, monkeypatch):
+    # with blocks shorter than the prompts, the cache really is hit: keeping it would sample the next
+    # rollout's prompt prefixes from the old weights
+    worker = _worker(tmp_path, sleep_level=1)
+    monkeypatch.setattr(worker.rollout.llm, "reset_prefix_cache", lambda: False)
+    with pytest.raises(RuntimeError, match="refused to reset its prefix cache"):
+        worker.rollout.load_weights(worker.actor.iter_full_state_dict())
