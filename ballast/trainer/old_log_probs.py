@@ -1,5 +1,6 @@
-"""Driver side of the old log-probs: which rows the separate pass covers, filling in the rows the
-actor update computed (see `ballast.workers.on_policy`), and the pass's metrics over every row.
+"""Driver side of the old log-probs (`OldLogProbPass`): which rows the separate pass covers, its
+layout, filling in the rows the actor update computed (see `ballast.workers.on_policy`), and the
+pass's metrics over every row.
 
 Rows are positions in the step batch (after balancing). The update batch is `batch[update_rows]`,
 cut into equal contiguous chunks, one per DP rank; inside a chunk the first
@@ -16,6 +17,7 @@ import torch
 from ballast.balance import balance_batch, plan_step
 from ballast.protocol import Batch
 from ballast.trainer.algorithms import masked_mean
+from ballast.workers.train_loop import LOG_PROB_PLAN_KEY
 
 
 def pass_layout(lengths: np.ndarray, dp: int, token_budget: Optional[int], workload, group_ids=None):
@@ -65,3 +67,62 @@ def old_log_prob_metrics(batch: Batch, entropy: torch.Tensor) -> Dict[str, float
         metrics["training/rollout_actor_log_prob_diff/mean"] = float(diff.mean()) if diff.numel() else 0.0
         metrics["training/rollout_actor_log_prob_diff/max"] = float(diff.max()) if diff.numel() else 0.0
     return metrics
+
+
+class OldLogProbPass:
+    """The driver's old-log-prob phase: which rows the actor update supplies itself (`mode`, see
+    `ballast.workers.on_policy.first_mini_batch_mode`) and the pass over the others."""
+
+    def __init__(self, cfg, sizes, workload, mode: str) -> None:
+        self.cfg, self.sizes, self.workload, self.mode = cfg, sizes, workload, mode
+
+    def budget(self) -> Optional[int]:
+        """The pass's token budget per micro-batch when the driver plans it, else None."""
+        infer = self.sizes.actor.infer
+        if infer.use_dynamic_bsz and not self.cfg.actor_rollout_ref.actor.dynamic_bsz_bucketing:
+            return self.sizes.actor.token_budget(infer)
+        return None
+
+    def rows_from_update(self, actor_plan, num_rows: int) -> Optional[np.ndarray]:
+        """Rows (bool mask) whose old log-probs the actor update computes itself, or None."""
+        if self.mode == "update":
+            return np.ones(num_rows, dtype=bool)
+        if self.mode == "partial" and actor_plan is not None:
+            mask = np.zeros(num_rows, dtype=bool)
+            mask[first_mini_batch_rows(actor_plan.rows, self.sizes.actor.dp_size,
+                                       self.sizes.actor.mini_batch_samples_per_rank)] = True
+            return mask
+        return None
+
+    def run(self, actor_group, batch: Batch, entropy: torch.Tensor,
+            from_update: Optional[np.ndarray] = None) -> Dict[str, float]:
+        """The pass over every row not in `from_update` (those come with the update): fills
+        `batch["old_log_probs"]` and `entropy` for them; returns the pass's own metrics (MFU)."""
+        if from_update is None:
+            sub, rows = batch, np.arange(len(batch))
+        else:  # a balanced layout and plan of its own for the rows the pass covers
+            rows = np.flatnonzero(~from_update)
+            sub = batch[rows]
+            sub.meta.pop(LOG_PROB_PLAN_KEY, None)
+            rows = rows[self._layout(sub)]
+        out = actor_group.compute_log_prob(sub)
+        batch.meta.pop(LOG_PROB_PLAN_KEY, None)  # consumed: later phases plan their own
+        if from_update is None:
+            batch["old_log_probs"] = out["old_log_probs"]
+        else:
+            if "old_log_probs" not in batch:
+                batch["old_log_probs"] = torch.zeros(batch["response_mask"].shape, dtype=torch.float32)
+            batch["old_log_probs"][torch.as_tensor(rows)] = out["old_log_probs"]
+        entropy[torch.as_tensor(rows)] = out["entropy"].to(entropy.dtype)
+        return {k: float(np.mean(v)) for k, v in out.meta.get("metrics", {}).items() if v}
+
+    def _layout(self, sub: Batch) -> np.ndarray:
+        """Balance `sub` over the DP ranks for a pass of its own (in place, with its central
+        micro-batch plan when dynamic); returns the order applied."""
+        groups = sub["uid"] if self.cfg.trainer.balance_keep_groups else None
+        order, _, micro_plan = pass_layout(sub["attention_mask"].sum(-1).numpy(), self.sizes.actor.dp_size,
+                                           self.budget(), self.workload, groups)
+        if micro_plan is not None:
+            sub.meta[LOG_PROB_PLAN_KEY] = micro_plan
+        sub.reorder(order)
+        return np.asarray(order)

@@ -47,7 +47,7 @@ from ballast.trainer.data_setup import RunData
 from ballast.trainer.dynamic_sampling import count_groups, filter_metric_values, informative_groups, sampling_metrics
 from ballast.trainer.metrics import data_metrics, rollout_probs_diff_metrics, throughput_metrics, timing_metrics
 from ballast.trainer.monitor import BalanceMonitor, micro_batch_metrics, rank_load_metrics
-from ballast.trainer.old_log_probs import fill_from_update, first_mini_batch_rows, old_log_prob_metrics, pass_layout
+from ballast.trainer.old_log_probs import OldLogProbPass, fill_from_update, old_log_prob_metrics, pass_layout
 from ballast.trainer.step_plans import UpdatePlan, UpdatePlanner
 from ballast.workers.actor_rollout_ref import UPDATE_WEIGHTS_METRIC
 from ballast.workers.rollout.base import validation_call_index
@@ -90,6 +90,7 @@ class RayPPOTrainer:
         self.old_log_prob_mode = first_mini_batch_mode(
             sizes.actor.num_mini_batches, cfg.actor_rollout_ref.actor.ppo_epochs, cfg.algorithm.use_kl_in_reward,
             central_plan=self.planner.plans_centrally("actor"))
+        self.old_log_probs = OldLogProbPass(cfg, sizes, self.workload, self.old_log_prob_mode)
         self.global_step = 0
         self._nonfinite_in_a_row = 0
         self._pending_metrics: Dict[str, float] = {}  # measured after a step's row was logged
@@ -156,11 +157,11 @@ class RayPPOTrainer:
             with _timer(timing, "balance"):
                 metrics.update(self.balance(batch))
                 actor_plan = self.plan_update(batch, "actor") if updates_actor else None
-            from_update = self.rows_from_update(actor_plan, len(batch)) if updates_actor else None
+            from_update = self.old_log_probs.rows_from_update(actor_plan, len(batch)) if updates_actor else None
             entropy = torch.zeros(batch["response_mask"].shape, dtype=torch.float32)
             if from_update is None or not from_update.all():
                 with _timer(timing, "old_log_prob"):
-                    metrics.update(self.compute_old_log_probs(batch, entropy, from_update))
+                    metrics.update(self.old_log_probs.run(self.workers.actor_rollout, batch, entropy, from_update))
             if self.sizes.use_reference:
                 with _timer(timing, "ref"):
                     batch = batch.union(self.workers.actor_rollout.compute_ref_log_prob(batch))
@@ -246,7 +247,7 @@ class RayPPOTrainer:
         groups = batch["uid"] if self.cfg.trainer.balance_keep_groups else None
         if self.cfg.trainer.balance_batch:
             # The old-log-prob pass is one mini-batch of the whole step: plan ranks and micro-batches together.
-            order, partitions, micro_plan = pass_layout(lengths, dp, self._log_prob_budget(), self.workload, groups)
+            order, partitions, micro_plan = pass_layout(lengths, dp, self.old_log_probs.budget(), self.workload, groups)
             if micro_plan is not None:
                 batch.meta[LOG_PROB_PLAN_KEY] = micro_plan
         else:
@@ -264,58 +265,6 @@ class RayPPOTrainer:
         metrics.update(rank_load_metrics(raw, balanced))
         self.monitor.record_balance(lengths, raw, balanced, dp)
         return metrics
-
-    def rows_from_update(self, actor_plan: Optional[UpdatePlan], num_rows: int) -> Optional[np.ndarray]:
-        """Rows (bool mask) whose old log-probs the actor update computes itself, or None."""
-        if self.old_log_prob_mode == "update":
-            return np.ones(num_rows, dtype=bool)
-        if self.old_log_prob_mode == "partial" and actor_plan is not None:
-            mask = np.zeros(num_rows, dtype=bool)
-            mask[first_mini_batch_rows(actor_plan.rows, self.sizes.actor.dp_size,
-                                       self.sizes.actor.mini_batch_samples_per_rank)] = True
-            return mask
-        return None
-
-    def compute_old_log_probs(self, batch: Batch, entropy: torch.Tensor,
-                              from_update: Optional[np.ndarray] = None) -> Dict[str, float]:
-        """The old-log-prob pass over every row not in `from_update` (those come with the update):
-        fills `batch["old_log_probs"]` and `entropy` for them."""
-        if from_update is None:
-            sub, rows = batch, np.arange(len(batch))
-        else:  # a balanced layout and plan of its own for the rows the pass covers
-            rows = np.flatnonzero(~from_update)
-            sub = batch[rows]
-            sub.meta.pop(LOG_PROB_PLAN_KEY, None)
-            order = self._layout_log_prob_pass(sub)
-            rows = rows[order]
-        out = self.workers.actor_rollout.compute_log_prob(sub)
-        batch.meta.pop(LOG_PROB_PLAN_KEY, None)  # consumed: later phases plan their own
-        if from_update is None:
-            batch["old_log_probs"] = out["old_log_probs"]
-        else:
-            if "old_log_probs" not in batch:
-                batch["old_log_probs"] = torch.zeros(batch["response_mask"].shape, dtype=torch.float32)
-            batch["old_log_probs"][torch.as_tensor(rows)] = out["old_log_probs"]
-        entropy[torch.as_tensor(rows)] = out["entropy"].to(entropy.dtype)
-        return {k: float(np.mean(v)) for k, v in out.meta.get("metrics", {}).items() if v}
-
-    def _log_prob_budget(self) -> Optional[int]:
-        """The old-log-prob pass's token budget per micro-batch when the driver plans it, else None."""
-        infer = self.sizes.actor.infer
-        if infer.use_dynamic_bsz and not self.cfg.actor_rollout_ref.actor.dynamic_bsz_bucketing:
-            return self.sizes.actor.token_budget(infer)
-        return None
-
-    def _layout_log_prob_pass(self, sub: Batch) -> np.ndarray:
-        """Balance `sub` over the DP ranks for a pass of its own (in place, with its central
-        micro-batch plan when dynamic); returns the order applied."""
-        groups = sub["uid"] if self.cfg.trainer.balance_keep_groups else None
-        order, _, micro_plan = pass_layout(sub["attention_mask"].sum(-1).numpy(), self.sizes.actor.dp_size,
-                                           self._log_prob_budget(), self.workload, groups)
-        if micro_plan is not None:
-            sub.meta[LOG_PROB_PLAN_KEY] = micro_plan
-        sub.reorder(order)
-        return np.asarray(order)
 
     def compute_advantages(self, batch: Batch) -> Dict[str, float]:
         alg = self.cfg.algorithm
