@@ -96,22 +96,20 @@ class OldLogProbPass:
 
     def run(self, actor_group, batch: Batch, entropy: torch.Tensor,
             from_update: Optional[np.ndarray] = None) -> Dict[str, float]:
-        """The pass over every row not in `from_update` (those come with the update): fills
-        `batch["old_log_probs"]` and `entropy` for them; returns the pass's own metrics (MFU)."""
+        """The pass over every row not in `from_update` (those come with the update; `batch` then holds
+        placeholder old log-probs and no whole-step plan): fills `batch["old_log_probs"]` and `entropy`
+        for them; returns the pass's own metrics (MFU)."""
         if from_update is None:
             sub, rows = batch, np.arange(len(batch))
         else:  # a balanced layout and plan of its own for the rows the pass covers
             rows = np.flatnonzero(~from_update)
             sub = batch[rows]
-            sub.meta.pop(LOG_PROB_PLAN_KEY, None)
             rows = rows[self._layout(sub)]
         out = actor_group.compute_log_prob(sub)
         batch.meta.pop(LOG_PROB_PLAN_KEY, None)  # consumed: later phases plan their own
         if from_update is None:
             batch["old_log_probs"] = out["old_log_probs"]
-        else:
-            if "old_log_probs" not in batch:
-                batch["old_log_probs"] = torch.zeros(batch["response_mask"].shape, dtype=torch.float32)
+        else:  # the update's rows hold placeholders until it returns their values
             batch["old_log_probs"][torch.as_tensor(rows)] = out["old_log_probs"]
         entropy[torch.as_tensor(rows)] = out["entropy"].to(entropy.dtype)
         return {k: float(np.mean(v)) for k, v in out.meta.get("metrics", {}).items() if v}

@@ -159,6 +159,9 @@ class RayPPOTrainer:
                 actor_plan = self.plan_update(batch, "actor") if updates_actor else None
             from_update = self.old_log_probs.rows_from_update(actor_plan, len(batch)) if updates_actor else None
             entropy = torch.zeros(batch["response_mask"].shape, dtype=torch.float32)
+            if from_update is not None:  # placeholders for the update's rows; the whole-step plan is unused
+                batch["old_log_probs"] = torch.zeros(batch["response_mask"].shape, dtype=torch.float32)
+                batch.meta.pop(LOG_PROB_PLAN_KEY, None)
             if from_update is None or not from_update.all():
                 with _timer(timing, "old_log_prob"):
                     metrics.update(self.old_log_probs.run(self.workers.actor_rollout, batch, entropy, from_update))
@@ -303,11 +306,9 @@ class RayPPOTrainer:
 
     def update_actor(self, batch: Batch, plan: Optional[UpdatePlan] = None, entropy: Optional[torch.Tensor] = None,
                      from_update: Optional[np.ndarray] = None) -> Dict[str, float]:
-        """The actor update; with `from_update`, those rows' old log-probs (and `entropy`) come back
-        from the update's first mini-batch and are written into `batch`."""
+        """The actor update; with `from_update`, those rows' old log-probs (placeholders in `batch`)
+        and `entropy` come back from the update's first mini-batch and are written into `batch`."""
         if from_update is not None:
-            if "old_log_probs" not in batch:
-                batch["old_log_probs"] = torch.zeros(batch["response_mask"].shape, dtype=torch.float32)
             batch[FROM_UPDATE_KEY] = torch.as_tensor(from_update)
         actor_batch, plan_metrics = self.central_plan(batch, "actor", plan)
         results = self.workers.actor_rollout.update_actor(actor_batch)
