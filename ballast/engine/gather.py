@@ -1,6 +1,6 @@
 """Full tensors of FSDP-sharded parameters, gathered in buckets: one collective per bucket.
 
-Weight sync (actor -> rollout engine) and HF export need every parameter whole on every rank.
+Weight sync (actor -> rollout engine) needs every parameter whole on every rank.
 `DTensor.full_tensor()` issues one all-gather per parameter; on CPU/gloo each is a network round
 trip, and a 30-layer model has ~270 of them. Here the local shards of consecutive parameters are
 packed into one flat buffer, gathered with a single `all_gather_single`, and cut back into full
