@@ -77,7 +77,9 @@ class EngineConfig:
     `precision="auto"` means bf16 compute with fp32 master weights and fp32 gradient reduction on CUDA,
     plain fp32 on CPU. `cpu_offload` (FSDP2 parameter/gradient/optimizer offload) exists on CUDA only.
     `logprob_chunk_tokens` bounds how many token rows of full-vocab float32 logits exist at once when
-    log-probs and entropy are computed.
+    log-probs and entropy are computed. `fsdp_size`: how many ranks share one copy of the parameters
+    (-1 or >= the world size: one copy sharded over every rank; k: hybrid sharding, world / k replicas
+    of a k-way shard, each replica gradient-summed with the others; 1: every rank holds the whole model).
     """
 
     model_path: str
@@ -90,6 +92,7 @@ class EngineConfig:
     enable_activation_checkpointing: bool = False
     cpu_offload: bool = False
     reshard_after_forward: bool = True
+    fsdp_size: int = -1
     grad_clip: float | None = 1.0
     optim: OptimConfig = field(default_factory=OptimConfig)
     logprob_chunk_tokens: int = 1024
@@ -111,6 +114,9 @@ class EngineConfig:
                 f"ulysses_sequence_parallel_size={sp} needs use_remove_padding=True "
                 "(Ulysses slices the packed token sequence)",
             )
+        if not isinstance(self.fsdp_size, int) or isinstance(self.fsdp_size, bool) or (
+                self.fsdp_size != -1 and self.fsdp_size < 1):
+            raise SpecError("fsdp_size", f"fsdp_size must be -1 or an int >= 1, got {self.fsdp_size!r}")
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise SpecError("grad_clip", f"grad_clip must be > 0 or None, got {self.grad_clip}")
         if self.logprob_chunk_tokens < 1:

@@ -2,7 +2,9 @@
 
 Ranks are laid out row-major on a (dp, sp) mesh: the `sp` ranks of one SP group are consecutive
 (rank = dp_rank * sp + sp_rank) and hold the same micro-batches. The DP group of a rank is the ranks
-with the same sp_rank. FSDP2 shards parameters over the flattened dp x sp mesh (all ranks).
+with the same sp_rank. FSDP2 shards parameters over the flattened dp x sp mesh (all ranks) or, with
+`fsdp_size=k` (hybrid sharding), over groups of k consecutive ranks, each group holding a full replica.
+The FSDP layout is independent of the (dp, sp) layout: every rank's gradient is summed either way.
 """
 
 from __future__ import annotations
@@ -63,7 +65,9 @@ class ParallelState:
     """Who this rank is on the (dp, sp) mesh, and the groups the engine communicates over."""
 
     mesh: DeviceMesh  # 2-D, dim names ("dp", "sp")
-    fsdp_mesh: DeviceMesh  # 1-D flattening of dp x sp, what FSDP2 shards over
+    # What FSDP2 shards over: the 1-D flattening of dp x sp, or with hybrid sharding a 2-D
+    # ("replicate", "shard") mesh of world / fsdp_size replicas of fsdp_size consecutive ranks.
+    fsdp_mesh: DeviceMesh
     dp_group: dist.ProcessGroup
     sp_group: dist.ProcessGroup
     dp_size: int
@@ -77,14 +81,36 @@ class ParallelState:
         return self.dp_size * self.sp_size
 
     @property
+    def fsdp_shard_size(self) -> int:
+        """Ranks that share one copy of the parameters (the world unless sharding is hybrid)."""
+        return self.fsdp_mesh.size(self.fsdp_mesh.ndim - 1)
+
+    @property
+    def replica_group(self) -> dist.ProcessGroup | None:
+        """The group of this rank's peers in the other replicas (hybrid sharding), else None."""
+        if self.fsdp_mesh.ndim == 1 or self.fsdp_mesh.size(0) == 1:
+            return None
+        return self.fsdp_mesh.get_group(0)
+
+    @property
     def device(self) -> torch.device:
         if self.device_type == "cuda":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
 
-def build_parallel_state(sp_size: int, device_type: str) -> ParallelState:
-    """Build the (dp, sp) mesh over the whole default process group."""
+def fsdp_shard_size(fsdp_size: int, world: int) -> int:
+    """Ranks per parameter shard group: `world` for -1 or anything >= world (verl's rule), else
+    `fsdp_size`, which must divide the world."""
+    if fsdp_size == -1 or fsdp_size >= world:
+        return world
+    if fsdp_size < 1 or world % fsdp_size:
+        raise ValueError(f"fsdp_size={fsdp_size} must divide the world size {world} (or be -1: shard over every rank)")
+    return fsdp_size
+
+
+def build_parallel_state(sp_size: int, device_type: str, fsdp_size: int = -1) -> ParallelState:
+    """Build the (dp, sp) mesh and the FSDP mesh (see `fsdp_shard_size`) over the default group."""
     if not dist.is_initialized():
         raise RuntimeError("call init_distributed() (or torch.distributed.init_process_group) first")
     world = dist.get_world_size()
@@ -92,7 +118,11 @@ def build_parallel_state(sp_size: int, device_type: str) -> ParallelState:
         raise ValueError(f"world size {world} is not divisible by ulysses_sequence_parallel_size={sp_size}")
     dp_size = world // sp_size
     mesh = init_device_mesh(device_type, (dp_size, sp_size), mesh_dim_names=("dp", "sp"))
-    fsdp_mesh = mesh["dp", "sp"]._flatten("dp_sp")
+    shard = fsdp_shard_size(fsdp_size, world)
+    if shard == world:
+        fsdp_mesh = mesh["dp", "sp"]._flatten("dp_sp")
+    else:
+        fsdp_mesh = init_device_mesh(device_type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
     return ParallelState(
         mesh=mesh,
         fsdp_mesh=fsdp_mesh,

@@ -29,7 +29,8 @@ from torch.distributed.fsdp import FSDPModule
 from ballast.balance import FlopsModel
 from ballast.engine import checkpoint as ckpt
 from ballast.engine.config import EngineConfig, MicroBatchSpec
-from ballast.engine.dist import ParallelState, build_parallel_state, init_distributed, resolve_device_type
+from ballast.engine.dist import (ParallelState, build_parallel_state, fsdp_shard_size, init_distributed,
+                                 resolve_device_type)
 from ballast.engine.gather import iter_gathered
 from ballast.engine.forward import ForwardOptions, forward_micro_batch
 from ballast.engine.losses import GlobalNorm
@@ -88,12 +89,15 @@ class TrainEngine:
         if parallel is None:
             device_type = resolve_device_type(cfg.device)
             init_distributed(device_type)
-            parallel = build_parallel_state(cfg.ulysses_sequence_parallel_size, device_type)
+            parallel = build_parallel_state(cfg.ulysses_sequence_parallel_size, device_type, cfg.fsdp_size)
         if parallel.sp_size != cfg.ulysses_sequence_parallel_size:
             raise ValueError(
                 f"parallel state has sp={parallel.sp_size} but ulysses_sequence_parallel_size="
                 f"{cfg.ulysses_sequence_parallel_size}"
             )
+        if parallel.fsdp_shard_size != fsdp_shard_size(cfg.fsdp_size, parallel.world_size):
+            raise ValueError(f"parallel state shards parameters over {parallel.fsdp_shard_size} rank(s) but "
+                             f"fsdp_size={cfg.fsdp_size}")
         self.parallel = parallel
         self.model = parallelize(load_model(cfg.model_path, cfg.role, cfg.trust_remote_code, seed), parallel, cfg)
         # Dynamic micro-batches are balanced by this model's forward FLOPs (linear + causal attention),
@@ -299,7 +303,8 @@ class TrainEngine:
         lr = self.optimizer.param_groups[0]["lr"]
         params = [p for p in self.model.parameters() if p.requires_grad]
         clip = grad_clip if grad_clip is not None else self.cfg.grad_clip
-        grad_norm, stepped = clip_and_step(params, self.optimizer, self.scheduler if step_scheduler else None, clip)
+        grad_norm, stepped = clip_and_step(params, self.optimizer, self.scheduler if step_scheduler else None, clip,
+                                           self.parallel.replica_group)
         if stepped:
             self.global_step += 1
         else:
@@ -327,7 +332,8 @@ class TrainEngine:
         """
         seen: set[int] = set()
         unique = []
-        for name, tensor in self.model.state_dict().items():
+        # keep_vars: the parameters themselves; detached copies would have a new id each, hiding ties.
+        for name, tensor in self.model.state_dict(keep_vars=True).items():
             if id(tensor) not in seen:
                 seen.add(id(tensor))
                 unique.append((name, tensor))

@@ -8,8 +8,13 @@ tensors. FSDP2 shards dim 0 in rank order with `ceil(dim0 / world)` rows per ran
 hold fewer or none), so padding every local shard to that row count makes the gathered buffer, read
 rank by rank, exactly the padded full tensor.
 
-Anything that is not a plain dim-0 shard on a 1-D mesh (or a regular tensor) goes through
-`full_tensor()` unchanged, so the result never depends on the bucketing.
+Hybrid sharding (a 2-D ("replicate", "shard") mesh, placements (Replicate(), Shard(0))) gathers over
+the shard dimension only: every replica already holds the whole tensor between its shard ranks. With
+one rank per shard the local tensor IS the full tensor and is yielded as it is, without a copy:
+consumers must copy what they keep and never write into it.
+
+Anything else that is not a regular tensor goes through `full_tensor()` unchanged, so the result
+never depends on the bucketing.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 # Full-tensor bytes per bucket: large enough that a small model is one collective, small enough
 # that the extra copy of a bucket stays a modest share of a large model's memory.
@@ -27,19 +32,32 @@ DEFAULT_BUCKET_BYTES = 256 << 20
 
 
 def _is_dim0_shard(tensor: torch.Tensor) -> bool:
-    return (isinstance(tensor, DTensor) and tensor.device_mesh.ndim == 1
-            and tuple(tensor.placements) == (Shard(0),) and tensor.dim() >= 1)
+    """A dim-0 shard over a 1-D mesh, or over the last dim of a hybrid (replicate, shard) mesh."""
+    if not isinstance(tensor, DTensor) or tensor.dim() < 1:
+        return False
+    placements = tuple(tensor.placements)
+    if tensor.device_mesh.ndim == 1:
+        return placements == (Shard(0),)
+    return tensor.device_mesh.ndim == 2 and placements == (Replicate(), Shard(0))
+
+
+def _shard_dim(tensor: DTensor) -> int:
+    return tensor.device_mesh.ndim - 1
 
 
 def _rows_per_rank(tensor: DTensor) -> int:
-    return math.ceil(tensor.shape[0] / tensor.device_mesh.size())
+    return math.ceil(tensor.shape[0] / tensor.device_mesh.size(_shard_dim(tensor)))
 
 
 def _gather_bucket(items: list[tuple[str, DTensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """One all-gather for every dim-0-sharded tensor of `items` (same mesh, same dtype)."""
     first = items[0][1]
-    world = first.device_mesh.size()
-    group = first.device_mesh.get_group()
+    world = first.device_mesh.size(_shard_dim(first))
+    if world == 1:  # a whole replica on every rank: nothing to gather
+        for name, tensor in items:
+            yield name, tensor.to_local().detach()
+        return
+    group = first.device_mesh.get_group(_shard_dim(first))
     layout, size = [], 0
     for name, tensor in items:
         numel = _rows_per_rank(tensor) * math.prod(tensor.shape[1:])

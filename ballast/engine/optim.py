@@ -18,6 +18,7 @@ import math
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ballast.engine.config import OptimConfig
@@ -78,13 +79,21 @@ def clip_and_step(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None,
     max_norm: float | None,
+    replica_group: dist.ProcessGroup | None = None,
 ) -> tuple[float, bool]:
     """Clip, then step optimizer and schedule unless the norm is not finite. Returns (norm, stepped).
 
-    Every rank sees the same global norm, so every rank takes the same branch.
+    Every rank of a shard group sees the same global norm, so they take the same branch. Replicas
+    (hybrid sharding, `replica_group`) compute it from their own copies of the same gradients, so they
+    agree too, but the skip decision is all-reduced across them anyway: replicas that stepped
+    differently would drift apart silently for the rest of the run.
     """
     norm = float(total_grad_norm(params, max_norm))
     stepped = math.isfinite(norm)
+    if replica_group is not None:
+        flag = torch.tensor([0.0 if stepped else 1.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=replica_group)
+        stepped = bool(flag.item() == 0.0)
     if stepped:
         optimizer.step()
         if scheduler is not None:

@@ -68,6 +68,8 @@ def _engine(cfg: BallastConfig, role: str, model, sp: int, grad_clip: Optional[f
         cpu_offload=bool(fsdp.offload_policy or (role == "ref" and fsdp.param_offload)
                          or (role == "critic" and model.fsdp_config.offload_policy)),
         reshard_after_forward=fsdp.reshard_after_forward, grad_clip=grad_clip, optim=optim,
+        # verl builds one device mesh per worker from the actor's fsdp_size; the reference model shares it.
+        fsdp_size=(cfg.actor_rollout_ref.actor.fsdp_config if role == "ref" else fsdp).fsdp_size,
         trust_remote_code=model.trust_remote_code,
     )
 

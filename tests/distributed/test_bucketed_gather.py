@@ -3,6 +3,7 @@
 Three gloo ranks shard a tiny Qwen2 with FSDP2: dim 0 sizes that do not divide by 3 give uneven
 shards (and an empty one for a 2-row tensor); mixed dtypes and plain tensors are interleaved, and
 tiny buckets force every bucket boundary case. Every name comes back once, in order, bit-equal.
+Four ranks check hybrid sharding: 2 replicas of a 2-way shard, and 4 replicas of whole tensors.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from ballast.engine.gather import iter_gathered
 from testkit.engine import spawn_ranks
@@ -55,3 +56,36 @@ def _check(rank: int, world: int) -> None:
 
 def test_bucketed_gather_equals_full_tensor():
     spawn_ranks(_check, 3, timeout_s=240)
+
+
+def _check_hybrid(rank: int, world: int) -> None:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    for shape in ((2, 2), (4, 1)):
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+        torch.manual_seed(0)
+        full = {"a": torch.randn(7, 5), "plain": torch.randn(4), "b": torch.randn(1, 3), "c": torch.randn(5).double()}
+        named = [(k, v if k == "plain" else distribute_tensor(v, mesh, [Replicate(), Shard(0)])) for k, v in full.items()]
+        for bucket_bytes in (1, 1 << 20):
+            got = list(iter_gathered(named, bucket_bytes=bucket_bytes))
+            assert [n for n, _ in got] == list(full)
+            for name, tensor in got:
+                assert not isinstance(tensor, DTensor) and torch.equal(tensor, full[name]), (shape, name)
+        torch.manual_seed(1)
+        model = Qwen2ForCausalLM(Qwen2Config(vocab_size=31, hidden_size=20, intermediate_size=34, num_hidden_layers=2,
+                                             num_attention_heads=2, num_key_value_heads=1, head_dim=10))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        state = model.state_dict()
+        assert all(tuple(v.placements) == (Replicate(), Shard(0)) for v in state.values() if isinstance(v, DTensor))
+        expected = {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in state.items()}
+        got = dict(iter_gathered(state.items(), bucket_bytes=4096))
+        assert list(got) == list(expected)
+        for name in expected:
+            assert torch.equal(got[name], expected[name]), (shape, name)
+    dist.barrier()
+
+
+def test_bucketed_gather_hybrid_sharding():
+    spawn_ranks(_check_hybrid, 4, timeout_s=240)

@@ -3,7 +3,8 @@ dp=2 mesh (2 CPU processes, one launch).
 
 Round trip: after save -> load into a fresh engine, parameters, optimizer moments, schedule and
 counters are back, shown by the next step producing bit-identical parameters to the step taken by
-the original engine.
+the original engine; loaded into a hybrid-sharded engine (`fsdp_size=1`), the same step within 1e-6,
+and a non-finite gradient on one replica makes both replicas skip.
 """
 
 from __future__ import annotations
@@ -95,6 +96,24 @@ def _checkpoint_worker(rank, world, root, model_dir):
     got = _full_params(fresh)
     report["resumed_step_max_diff"] = max(float((got[n] - expected[n]).abs().max()) for n in got)
 
+    # the same checkpoint resumed with hybrid sharding (a whole replica per rank): DCP reshards it
+    import dataclasses
+
+    hybrid = TrainEngine(dataclasses.replace(cfg, fsdp_size=1), parallel=build_parallel_state(1, "cpu", 1))
+    hybrid.load_checkpoint(os.path.join(root, "ckpt"))
+    _step(hybrid, local)
+    got = _full_params(hybrid)
+    report["hybrid_resumed_step_max_diff"] = max(float((got[n] - expected[n]).abs().max()) for n in got)
+    # a non-finite gradient on one replica only: both replicas skip, so they stay equal
+    hybrid.forward_backward_batch(local, loss_fn, SPEC)
+    if rank == 0:
+        next(p for p in hybrid.model.parameters() if p.grad is not None).grad._local_tensor[0] = float("nan")
+    report["hybrid_skipped"] = hybrid.optimizer_step()["step_skipped"]
+    mine = torch.cat([p.to_local().reshape(-1) for p in hybrid.model.parameters()])
+    replicas = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(replicas, mine)
+    report["hybrid_replicas_equal"] = all(torch.equal(r, mine) for r in replicas)
+
     fresh.export_hf(os.path.join(root, "export"))
     names = [name for name, _ in fresh.iter_full_state_dict()]
     all_names = [None] * world
@@ -132,6 +151,8 @@ def test_steps_skip_checkpoint_and_export(tmp_path, model_dir):
     assert rep["counters"] == [2, 1]
     assert rep["third_lr"][0] == rep["third_lr"][1]
     assert rep["resumed_step_max_diff"] == 0.0
+    assert rep["hybrid_resumed_step_max_diff"] < 1e-6  # only the grad-norm reduction order differs
+    assert rep["hybrid_skipped"] == 1.0 and rep["hybrid_replicas_equal"]
     assert rep["same_order_on_all_ranks"]
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -144,5 +165,7 @@ def test_steps_skip_checkpoint_and_export(tmp_path, model_dir):
     hf_state = hf.state_dict()
     for name, tensor in full.items():
         assert torch.equal(hf_state[name], tensor), name
+    # the tiny model ties lm_head to the embedding: the weight sync sends that matrix once
+    assert hf.config.tie_word_embeddings and "lm_head.weight" not in full and "model.embed_tokens.weight" in full
     tokenizer = AutoTokenizer.from_pretrained(export)
     assert tokenizer.decode(tokenizer.encode("1 + 2 = 3")).strip() == "1 + 2 = 3"

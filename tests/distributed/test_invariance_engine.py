@@ -1,7 +1,8 @@
 """THE invariance guarantee: loss and full gradient of one mini-batch equal the single-process
 plain-PyTorch reference for every (dp, sp) layout, micro-batch cut, remove-padding setting and loss
-aggregation mode (plus activation checkpointing on one cut, and parameters kept gathered between forward
-and backward, `reshard_after_forward=False`, on three cuts), and with a central plan
+aggregation mode (plus activation checkpointing on one cut, parameters kept gathered between forward
+and backward, `reshard_after_forward=False`, on three cuts, and with more than one rank, hybrid sharding
+with a whole replica per rank, `fsdp_size=1`, on three cuts), and with a central plan
 (`plan_step` over the whole mini-batch, as the trainer's driver makes) instead of per-rank planning.
 
 One process group is launched per (dp, sp) layout; inside it every configuration runs against
@@ -134,16 +135,18 @@ def _invariance_worker(rank, world, root, model_dir, sp):
     central = plan_step(lengths, parallel.dp_size, specs["central-tight"].token_budget(sp))
     central_local = data[torch.as_tensor(np.split(central.order, parallel.dp_size)[parallel.dp_rank])]
     results = []
-    runs = [(rmpad, False, True, list(specs)) for rmpad in ([True, False] if sp == 1 else [True])]
-    runs.append((True, True, True, ["dynamic-tight"]))  # activation checkpointing on
+    runs = [(rmpad, False, True, -1, list(specs)) for rmpad in ([True, False] if sp == 1 else [True])]
+    runs.append((True, True, True, -1, ["dynamic-tight"]))  # activation checkpointing on
     # parameters kept gathered from forward to backward (the CPU configs' setting), over several cuts
-    runs.append((True, False, False, ["dynamic-tight", "static-1", "central-tight"]))
-    for rmpad, checkpointing, reshard, spec_names in runs:
+    runs.append((True, False, False, -1, ["dynamic-tight", "static-1", "central-tight"]))
+    if world > 1:  # hybrid sharding, one whole replica per rank: gradients all-reduced across replicas
+        runs.append((True, False, False, 1, ["dynamic-tight", "static-1", "central-tight"]))
+    for rmpad, checkpointing, reshard, fsdp_size, spec_names in runs:
         cfg = EngineConfig(
             model_path=model_dir, use_remove_padding=rmpad, ulysses_sequence_parallel_size=sp,
-            enable_activation_checkpointing=checkpointing, reshard_after_forward=reshard,
+            enable_activation_checkpointing=checkpointing, reshard_after_forward=reshard, fsdp_size=fsdp_size,
         )
-        engine = TrainEngine(cfg, parallel=parallel)
+        engine = TrainEngine(cfg, parallel=parallel if fsdp_size == -1 else build_parallel_state(sp, "cpu", fsdp_size))
         for spec_name in spec_names:
             spec = specs[spec_name]
             batch, plan = local, None
@@ -161,7 +164,7 @@ def _invariance_worker(rank, world, root, model_dir, sp):
                 ref_norm = math.sqrt(sum(float((g.double() ** 2).sum()) for g in ref_grads.values()))
                 max_diff = max(float((grads[n] - ref_grads[n]).abs().max()) for n in grads)
                 results.append(dict(
-                    rmpad=rmpad, checkpointing=checkpointing, reshard=reshard, spec=spec_name, mode=mode, loss=metrics["loss"], ref_loss=ref_loss,
+                    rmpad=rmpad, checkpointing=checkpointing, reshard=reshard, fsdp_size=fsdp_size, spec=spec_name, mode=mode, loss=metrics["loss"], ref_loss=ref_loss,
                     entropy=metrics["entropy"], ref_entropy=ref_entropy, max_grad_diff=max_diff,
                     ref_grad_norm=ref_norm, num_micro_batches=metrics["num_micro_batches"],
                     planned=central.num_micro_batches,
@@ -177,11 +180,12 @@ def test_loss_and_gradient_equal_the_single_process_reference(problem, dp, sp):
     spawn_ranks(_invariance_worker, dp * sp, args=(root, model_dir, sp), timeout_s=240)
     with open(os.path.join(root, f"results_{dp * sp}_{sp}.json")) as f:
         results = json.load(f)
-    expected_runs = ((2 if sp == 1 else 1) * 7 + 1 + 3) * len(LOSS_AGG_MODES)
+    expected_runs = ((2 if sp == 1 else 1) * 7 + 1 + 3 + (3 if dp * sp > 1 else 0)) * len(LOSS_AGG_MODES)
     assert len(results) == expected_runs
     failures = []
     for r in results:
-        where = f"dp={dp} sp={sp} rmpad={r['rmpad']} ckpt={r['checkpointing']} reshard={r['reshard']} {r['spec']} {r['mode']}"
+        where = (f"dp={dp} sp={sp} rmpad={r['rmpad']} ckpt={r['checkpointing']} reshard={r['reshard']} "
+                 f"fsdp_size={r['fsdp_size']} {r['spec']} {r['mode']}")
         if abs(r["loss"] - r["ref_loss"]) > REL_TOL * max(1.0, abs(r["ref_loss"])):
             failures.append(f"{where}: loss {r['loss']:.8g} != reference {r['ref_loss']:.8g}")
         if r["max_grad_diff"] > REL_TOL * r["ref_grad_norm"]:
@@ -192,6 +196,7 @@ def test_loss_and_gradient_equal_the_single_process_reference(problem, dp, sp):
     # the matrix really exercised different cuts: 1-sample micro-batches vs one micro-batch
     counts = {r["spec"]: r["num_micro_batches"] for r in results}
     assert any(not r["reshard"] for r in results)
+    assert any(r["fsdp_size"] == 1 for r in results) == (dp * sp > 1)
     assert any(r["checkpointing"] for r in results)
     assert counts["static-1"] == NUM_SAMPLES // dp and counts["static-all"] == 1
     assert counts["dynamic-tight"] > counts["dynamic-loose"]

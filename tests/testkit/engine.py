@@ -13,6 +13,7 @@ import sys
 import tempfile
 import time
 import traceback
+import types
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -182,6 +183,7 @@ def schedule_probe_engine(optim):
     engine.scheduler = build_scheduler(engine.optimizer, optim)
     engine.global_step = engine.skipped_steps = 0
     engine.last_micro_batch_tokens = [[1]]
+    engine.parallel = types.SimpleNamespace(replica_group=None)  # one process: no replicas to agree with
     engine.seen_lrs = []
 
     def forward_backward_batch(data, loss_fn, spec, **_):

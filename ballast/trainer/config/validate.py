@@ -184,10 +184,10 @@ def _check_offload(cfg: BallastConfig) -> None:
                 f"{prefix}.{on[0]}=True offloads from GPU to host memory, but trainer.device=cpu keeps everything "
                 f"in host memory already: set {prefix}.{on[0]}=False"
             )
-        size = getattr(fsdp, "fsdp_size", -1)
-        if size not in (-1, cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node):
-            raise ConfigError(f"{prefix}.fsdp_size={size}: hybrid sharding is not implemented; use -1 (shard over "
-                              "all workers)")
+        size, world = getattr(fsdp, "fsdp_size", -1), cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+        if not isinstance(size, int) or isinstance(size, bool) or (size != -1 and (size < 1 or (size < world and world % size))):
+            raise ConfigError(f"{prefix}.fsdp_size={size!r}: must be -1 (shard over all {world} workers) or an int "
+                              f"that divides the {world} workers (hybrid sharding: {world} / fsdp_size replicas)")
         if prefix.endswith("ref.fsdp_config"):
             continue  # the reference model has no optimizer: param_offload = FSDP2 CPU offload, as verl means it
         for key in ("param_offload", "optimizer_offload"):

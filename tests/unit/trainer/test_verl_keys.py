@@ -45,6 +45,24 @@ def test_offload_policy_and_ref_param_offload_mean_fsdp2_cpu_offload():
     assert actor_rollout_ref_spec(cfg, sizes, total_steps=10).actor.cpu_offload is True
 
 
+def test_fsdp_size_is_hybrid_sharding_and_the_reference_model_follows_the_actor():
+    cfg, sizes = _checked("actor_rollout_ref.actor.fsdp_config.fsdp_size=1", "actor_rollout_ref.actor.use_kl_loss=True")
+    spec = actor_rollout_ref_spec(cfg, sizes, total_steps=10)
+    assert spec.actor.fsdp_size == 1 and spec.ref.fsdp_size == 1  # verl: one mesh per worker, from the actor's
+    cfg, sizes = _checked("critic.fsdp_config.fsdp_size=2", "algorithm.adv_estimator=gae")
+    assert critic_spec(cfg, sizes, total_steps=10).critic.fsdp_size == 2
+    assert actor_rollout_ref_spec(cfg, sizes, total_steps=10).actor.fsdp_size == -1
+    _checked("actor_rollout_ref.actor.fsdp_config.fsdp_size=8")  # >= the worker count: shard over all, as verl
+
+
+@pytest.mark.parametrize("key, value", [("actor_rollout_ref.actor.fsdp_config.fsdp_size", 3),
+                                        ("actor_rollout_ref.actor.fsdp_config.fsdp_size", 0),
+                                        ("critic.fsdp_config.fsdp_size", -2)])
+def test_fsdp_size_that_does_not_divide_the_workers_fails_at_start_up(key, value):
+    with pytest.raises(ConfigError, match=f"{key}={value}: must be -1 .* divides the 4 workers"):
+        _checked(f"{key}={value}", "trainer.n_gpus_per_node=4")
+
+
 @pytest.mark.parametrize("overrides, fragment", [
     (["actor_rollout_ref.actor.strategy=fsdp"], "actor.strategy='fsdp' is verl's FSDP1"),
     (["critic.strategy=fsdp"], "critic.strategy='fsdp' is verl's FSDP1"),

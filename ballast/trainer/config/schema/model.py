@@ -56,7 +56,10 @@ class FSDPConfig:
     reshard_after_forward: bool
     """Free the gathered parameters after each forward (FSDP2's `reshard_after_forward`)."""
     fsdp_size: int
-    """-1: shard over every worker, the only layout implemented (hybrid sharding is not)."""
+    """Workers that share one sharded copy of the model: -1 (or >= the worker count) shards over every
+    worker; k (dividing the worker count) is hybrid sharding, workers / k replicas of a k-way shard with
+    gradients summed across them; 1 keeps a whole replica on every worker (no parameter all-gathers and a
+    local weight sync, for models small next to the worker's memory). The reference model uses the actor's."""
 
 
 @dataclass(frozen=True)
