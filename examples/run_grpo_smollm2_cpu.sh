@@ -36,7 +36,7 @@ python -m ballast.trainer.main \
   actor_rollout_ref.actor.ppo_mini_batch_size=4 actor_rollout_ref.actor.optim.lr=1e-5 \
   actor_rollout_ref.actor.use_dynamic_bsz=True actor_rollout_ref.actor.ppo_max_token_len_per_gpu=1024 \
   actor_rollout_ref.model.use_remove_padding=True algorithm.adv_estimator=grpo \
-  actor_rollout_ref.actor.fsdp_config.reshard_after_forward=false \
+  actor_rollout_ref.actor.fsdp_config.reshard_after_forward=false actor_rollout_ref.actor.fsdp_config.fsdp_size=1 \
   trainer.device=cpu trainer.n_gpus_per_node=2 trainer.balance_batch=True trainer.seed="$SEED" \
   trainer.logger='[console,jsonl]' trainer.project_name=ballast trainer.experiment_name="smollm2-arith-seed$SEED" \
   trainer.default_local_dir="$RUN_DIR" trainer.resume_mode=disable trainer.val_before_train=True \

@@ -328,16 +328,12 @@ class TrainEngine:
     def iter_full_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF parameter name, full tensor) for every weight, same order on every rank. Collective.
 
-        Tied weights are yielded once, under their first name (as `save_pretrained` writes them).
+        A tied weight comes under each of its names: vLLM's in-place reload on CPU re-packs a tied
+        lm_head only when `lm_head.weight` arrives (without it, generation kept the old head).
         """
-        seen: set[int] = set()
-        unique = []
-        # keep_vars: the parameters themselves; detached copies would have a new id each, hiding ties.
-        for name, tensor in self.model.state_dict(keep_vars=True).items():
-            if id(tensor) not in seen:
-                seen.add(id(tensor))
-                unique.append((name, tensor))
-        yield from iter_gathered(unique)
+        # Not state_dict(keep_vars=True): after a forward it can hold FSDP2's unsharded pre-step
+        # tensors, while state_dict() goes through FSDP2's hooks to the sharded ones.
+        yield from iter_gathered(self.model.state_dict().items())
 
     def save_checkpoint(self, path: str) -> None:
         ckpt.save_checkpoint(path, self.model, self.optimizer, self.scheduler, self._counters())
