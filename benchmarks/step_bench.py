@@ -270,6 +270,10 @@ def ensure_quickstart() -> None:
                    cwd=ROOT, env=env, check=True)
 
 
+def _median_or_none(values: List[float]) -> Optional[float]:
+    return statistics.median(values) if values else None
+
+
 def summarise(case: Case, variants: Dict[str, List[dict]], trl: List[dict], peak_total: float) -> dict:
     out = {"name": case.name, "work": asdict(case), "variants": {}}
     for name, runs in variants.items():
@@ -277,8 +281,12 @@ def summarise(case: Case, variants: Dict[str, List[dict]], trl: List[dict], peak
         phases = {k: statistics.median(r["phases"][k] for r in runs) for k in runs[0]["phases"]}
         tokens = statistics.median(r["tokens_per_step"] for r in runs)
         fwd = forward_flops(case.model_dir, tokens / runs[0]["samples"], runs[0]["samples"])
-        mfu_update = 3.0 * fwd / (phases["update"] * peak_total) if phases["update"] > 0 else None
-        mfu_lp = fwd / (phases["old_log_prob"] * peak_total) if phases["old_log_prob"] > 0.01 else None
+        # MFU per run against the peak measured just before that run (the VM's speed drifts by tens of
+        # percent within an hour, so a peak measured minutes earlier misstates it), then the median.
+        mfu_update = _median_or_none([3.0 * fwd / (r["phases"]["update"] * r.get("peak_flops_total", peak_total))
+                                      for r in runs if r["phases"]["update"] > 0])
+        mfu_lp = _median_or_none([fwd / (r["phases"]["old_log_prob"] * r.get("peak_flops_total", peak_total))
+                                  for r in runs if r["phases"]["old_log_prob"] > 0.01])
         # Compute floor at the measured peak: generation passes every token through the model once
         # (prefill + decode), the update three times (forward + backward); the old-log-prob pass once
         # unless the run skipped it.
@@ -296,6 +304,10 @@ def summarise(case: Case, variants: Dict[str, List[dict]], trl: List[dict], peak
     out["trl_s_per_step"] = statistics.median(r["s_per_step"] for r in trl) if trl else None
     out["ratio_vs_trl"] = out["ballast_s_per_step"] / out["trl_s_per_step"] \
         if trl and out["ballast_s_per_step"] else None
+    # each repeat's Ballast run against the TRL run right after it, so slow drift hits both alike
+    pairs = [b["s_per_step"] / t["s_per_step"] for b, t in zip(base.get("runs", []), trl)]
+    out["ratio_vs_trl_paired"] = pairs
+    out["peak_flops_total_per_run"] = [r.get("peak_flops_total") for r in base.get("runs", []) + trl]
     out["trl_runs"] = trl
     # the work each system actually generated (median response tokens per sample over the timed steps)
     out["ballast_response_length_mean"] = statistics.median(r["response_length_mean"] for r in base.get("runs", [])) \
@@ -359,7 +371,9 @@ def main() -> None:
             for name, overrides in variants.items():
                 if "ballast" in systems:
                     try:
+                        peak = matmul_peak_flops(1) * args.workers
                         r = run_ballast(case, args.warmup, args.steps, args.workers, overrides, args.log_dir)
+                        r["peak_flops_total"] = peak
                     except RuntimeError as err:  # e.g. killed by a memory-starved shared machine
                         print(f"[{case.name}] ballast/{name} rep {rep} FAILED: {err}", flush=True)
                         result.setdefault("failed_runs", []).append(f"{case.name}/{name}/{rep}: {err}")
@@ -369,7 +383,9 @@ def main() -> None:
                           f"{json.dumps({k: round(v, 3) for k, v in r['phases'].items()})}", flush=True)
             if "trl" in systems:
                 try:
+                    peak = matmul_peak_flops(1) * args.workers
                     trl.append(run_trl(case, args.warmup, args.steps, args.trl_threads or args.workers, args.log_dir))
+                    trl[-1]["peak_flops_total"] = peak
                     print(f"[{case.name}] trl rep {rep}: {trl[-1]['s_per_step']:.3f} s/step", flush=True)
                 except RuntimeError as err:
                     print(f"[{case.name}] trl rep {rep} FAILED: {err}", flush=True)
@@ -385,6 +401,7 @@ def main() -> None:
             continue
         result["cases"].append(summary)
         print(json.dumps({k: summary.get(k) for k in ("name", "ballast_s_per_step", "trl_s_per_step", "ratio_vs_trl",
+                                                       "ratio_vs_trl_paired",
                                                        "ballast_response_length_mean", "trl_response_length_mean",
                                                        "phases", "mfu_update", "mfu_log_prob", "floor_s")}, indent=1), flush=True)
     result["load_avg_end"] = os.getloadavg()
