@@ -49,6 +49,9 @@ def test_group_layout_env_and_one_to_all(echo):
     assert len({i["master"] for i in infos}) == 1 and infos[0]["master"][1] == str(echo.master_port)
     assert len({i["pid"] for i in infos}) == 4
     assert all(i["threads"] == 1 for i in infos)  # pinned so 2 cores are not oversubscribed
+    from ballast.single_controller.worker_group import CPU_MALLOC_ENV
+
+    assert all(i["malloc"] == CPU_MALLOC_ENV for i in infos)  # CPU workers keep freed memory (glibc)
     placed = echo.placement()
     assert [p["pid"] for p in placed] == [i["pid"] for i in infos] and all(p["node_id"] and p["ip"] for p in placed)
     assert echo.only_rank_zero("x") == (0, "x")

@@ -20,7 +20,8 @@ class EchoWorker(Worker):
     def whoami(self):
         return {"rank": self.rank, "world": self.world_size, "pid": os.getpid(),
                 "master": (os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")),
-                "threads": torch.get_num_threads()}
+                "threads": torch.get_num_threads(),
+                "malloc": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}}
 
     @register(Dispatch.ONE_TO_ALL, execute_mode=Execute.RANK_ZERO)
     def only_rank_zero(self, value):
