@@ -36,7 +36,7 @@ PEER_DEATH_GRACE_S = 3.0
 # glibc malloc on CPU workers: serve allocations below 4 GiB from the heap and never trim it, so the
 # large activation, gradient and logits buffers of one step reuse the memory the previous step freed
 # instead of fresh mappings the kernel zero-fills page by page. Measured on SmolLM2-135M with two
-# workers (docs/benchmarks.md), four interleaved pairs: the update took 12.8 s instead of 15.2 (median).
+# workers (docs/benchmarks.md): median update 12.8 s instead of 15.2 over three interleaved pairs.
 # A worker's memory stays at its peak, which the next step needs anyway. The driver's environment wins.
 CPU_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(4 << 30), "MALLOC_TRIM_THRESHOLD_": str(64 << 30),
                   "MALLOC_TOP_PAD_": str(256 << 20)}
