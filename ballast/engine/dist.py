@@ -87,10 +87,9 @@ class ParallelState:
 
     @property
     def replica_group(self) -> dist.ProcessGroup | None:
-        """The group of this rank's peers in the other replicas (hybrid sharding), else None."""
-        if self.fsdp_mesh.ndim == 1 or self.fsdp_mesh.size(0) == 1:
-            return None
-        return self.fsdp_mesh.get_group(0)
+        """The group of this rank's peers in the other replicas (hybrid sharding), else None.
+        (`build_parallel_state` makes the mesh 2-D only when there are at least two replicas.)"""
+        return self.fsdp_mesh.get_group(0) if self.fsdp_mesh.ndim == 2 else None
 
     @property
     def device(self) -> torch.device:
