@@ -169,6 +169,19 @@ def _check_ranges(cfg: BallastConfig) -> None:
         )
 
 
+def _check_fsdp_size(key: str, size, world: int) -> None:
+    """`size` is an int the engine's rule accepts for `world` workers (`ballast.engine.dist.fsdp_shard_size`)."""
+    from ballast.engine.dist import fsdp_shard_size
+
+    try:
+        if isinstance(size, bool) or not isinstance(size, int):
+            raise ValueError(size)
+        fsdp_shard_size(size, world)
+    except ValueError:
+        raise ConfigError(f"{key}={size!r}: must be -1 (shard over all {world} workers) or an int that divides the "
+                          f"{world} workers (hybrid sharding: {world} / fsdp_size replicas)") from None
+
+
 def _check_offload(cfg: BallastConfig) -> None:
     """verl's offload switches: each means what verl means, or the run stops here naming the key."""
     arr = cfg.actor_rollout_ref
@@ -184,10 +197,8 @@ def _check_offload(cfg: BallastConfig) -> None:
                 f"{prefix}.{on[0]}=True offloads from GPU to host memory, but trainer.device=cpu keeps everything "
                 f"in host memory already: set {prefix}.{on[0]}=False"
             )
-        size, world = getattr(fsdp, "fsdp_size", -1), cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
-        if not isinstance(size, int) or isinstance(size, bool) or (size != -1 and (size < 1 or (size < world and world % size))):
-            raise ConfigError(f"{prefix}.fsdp_size={size!r}: must be -1 (shard over all {world} workers) or an int "
-                              f"that divides the {world} workers (hybrid sharding: {world} / fsdp_size replicas)")
+        _check_fsdp_size(f"{prefix}.fsdp_size", getattr(fsdp, "fsdp_size", -1),
+                         cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node)
         if prefix.endswith("ref.fsdp_config"):
             continue  # the reference model has no optimizer: param_offload = FSDP2 CPU offload, as verl means it
         for key in ("param_offload", "optimizer_offload"):
