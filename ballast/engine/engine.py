@@ -18,6 +18,7 @@ output, contributing exactly zero gradient while issuing the same collectives.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterator
 
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel
 
 from ballast.balance import FlopsModel
 from ballast.engine import checkpoint as ckpt
@@ -99,7 +101,10 @@ class TrainEngine:
             raise ValueError(f"parallel state shards parameters over {parallel.fsdp_shard_size} rank(s) but "
                              f"fsdp_size={cfg.fsdp_size}")
         self.parallel = parallel
-        self.model = parallelize(load_model(cfg.model_path, cfg.role, cfg.trust_remote_code, seed), parallel, cfg)
+        # `model`: the HF module (parameters, state dicts, inference); `_train_module`: what training
+        # forwards go through, the same object under FSDP2 or a DDP wrapper around it (replicas).
+        self.model = load_model(cfg.model_path, cfg.role, cfg.trust_remote_code, seed)
+        self._train_module = parallelize(self.model, parallel, cfg)
         # Dynamic micro-batches are balanced by this model's forward FLOPs (linear + causal attention),
         # so long samples count for what they cost, not just for their tokens.
         self.workload = _flops_model(self.model.config)
@@ -109,6 +114,14 @@ class TrainEngine:
         self.skipped_steps = 0
         # Real tokens of each micro-batch of the last forward_backward_batch, one list per DP rank.
         self.last_micro_batch_tokens: list[list[int]] = []
+
+    @property
+    def data_parallel_mode(self) -> str:
+        """How the model is spread over ranks: "fsdp" (FSDP2), "ddp" (a whole trainable replica per
+        rank, gradients summed by DDP) or "replica" (a whole frozen replica per rank)."""
+        if isinstance(self._train_module, DistributedDataParallel):
+            return "ddp"
+        return "fsdp" if isinstance(self.model, FSDPModule) else "replica"
 
     # ------------------------------------------------------------------ mini-batch execution
     def _preflight(self, data: TensorDict, spec: MicroBatchSpec,
@@ -165,9 +178,10 @@ class TrainEngine:
             attn_backend=self.cfg.attn_backend,
         )
 
-    def _run_dummy(self, seq_len: int, response_len: int, opts: ForwardOptions, backward: bool) -> None:
+    def _run_dummy(self, module: torch.nn.Module, seq_len: int, response_len: int, opts: ForwardOptions,
+                   backward: bool) -> None:
         dummy = dummy_micro_batch(seq_len, response_len, self.parallel.device)
-        outputs = forward_micro_batch(self.model, dummy, opts, self.parallel)
+        outputs = forward_micro_batch(module, dummy, opts, self.parallel)
         if backward:
             zero = sum(v.sum() for v in outputs.values()) * 0.0
             zero.backward()
@@ -198,31 +212,30 @@ class TrainEngine:
         opts = self._forward_options(temperature, calculate_entropy)
         device = self.parallel.device
         seq_len, response_len = data["input_ids"].shape[1], data["responses"].shape[1]
-        self.model.train(not forward_only)
+        module = self.model if forward_only else self._train_module
+        module.train(not forward_only)
         # Accumulated on the device and read once at the end: no host sync per micro-batch.
         sums: dict[str, torch.Tensor] = {"loss": torch.zeros((), dtype=torch.float64, device=device)}
         backwards = 0 if forward_only else plan.num_micro_batches
         with torch.set_grad_enabled(not forward_only):
             for index, micro in enumerate(split_micro_batches(data, plan)):
-                if backwards:
-                    self._set_gradient_sync(index == backwards - 1)
-                micro = micro.to(device)
-                outputs = forward_micro_batch(self.model, micro, opts, self.parallel)
-                loss, metrics = loss_fn(outputs, micro, norm)
-                clash = sorted(set(metrics) & set(RESERVED_METRICS))
-                if clash:
-                    raise ValueError(f"loss_fn returned metrics {clash}, names the engine reserves for itself")
-                if not forward_only:
-                    loss.backward()
+                with self._gradient_sync(backwards and index == backwards - 1, backwards):
+                    micro = micro.to(device)
+                    outputs = forward_micro_batch(module, micro, opts, self.parallel)
+                    loss, metrics = loss_fn(outputs, micro, norm)
+                    clash = sorted(set(metrics) & set(RESERVED_METRICS))
+                    if clash:
+                        raise ValueError(f"loss_fn returned metrics {clash}, names the engine reserves for itself")
+                    if not forward_only:
+                        loss.backward()
                 for key, value in {"loss": loss, **metrics}.items():
                     value = torch.as_tensor(value.detach() if torch.is_tensor(value) else value, device=device)
                     sums[key] = sums.get(key, 0.0) + value.to(torch.float64)
             for index in range(len(plan.micro_indices), plan.num_micro_batches):
-                if backwards:
-                    self._set_gradient_sync(index == backwards - 1)
-                self._run_dummy(seq_len, response_len, opts, backward=not forward_only)
+                with self._gradient_sync(index == backwards - 1, backwards):
+                    self._run_dummy(module, seq_len, response_len, opts, backward=not forward_only)
         if backwards:
-            self._set_gradient_sync(True)
+            self._set_fsdp_gradient_sync(True)
         result, self.last_micro_batch_tokens = self._sum_over_dp(
             {key: float(value) for key, value in sums.items()}, micro_tokens)
         result.update(
@@ -233,7 +246,21 @@ class TrainEngine:
         )
         return result
 
-    def _set_gradient_sync(self, last_backward: bool) -> None:
+    def _gradient_sync(self, last_backward: bool, backwards: int) -> contextlib.AbstractContextManager:
+        """The scope of one micro-batch's forward and backward: reduce gradients only in the last one.
+
+        DDP replicas accumulate locally under `no_sync()` and all-reduce the sum once per mini-batch
+        (on every device: their gradients are whole either way). FSDP2 on CPU does the same (see
+        `_set_fsdp_gradient_sync`). Forward-only calls (`backwards == 0`) reduce nothing.
+        """
+        if not backwards:
+            return contextlib.nullcontext()
+        if isinstance(self._train_module, DistributedDataParallel):
+            return contextlib.nullcontext() if last_backward else self._train_module.no_sync()
+        self._set_fsdp_gradient_sync(last_backward)
+        return contextlib.nullcontext()
+
+    def _set_fsdp_gradient_sync(self, last_backward: bool) -> None:
         """On CPU, reduce-scatter gradients once per mini-batch instead of after every micro-batch.
 
         Until the last backward of a mini-batch, FSDP2 keeps the unsharded gradients (and parameters)
@@ -275,7 +302,7 @@ class TrainEngine:
             for key, value in outputs.items():
                 per_key.setdefault(key, []).append(value.detach())
         for _ in range(plan.num_dummy):
-            self._run_dummy(data["input_ids"].shape[1], data["responses"].shape[1], opts, backward=False)
+            self._run_dummy(self.model, data["input_ids"].shape[1], data["responses"].shape[1], opts, backward=False)
         batch = data.batch_size[0]
         if batch == 0:
             keys = ["values"] if opts.is_critic else ["log_probs"] + (["entropy"] if calculate_entropy else [])

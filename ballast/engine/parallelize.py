@@ -13,12 +13,23 @@ SP ranks' gradients of one replica add up to that replica's gradient (`ballast.e
 mini-batch gradient is therefore the sum over all dp x sp ranks. FSDP's default would divide it by
 dp * sp. The divide factor must be set on every FSDP module (each reduces its own parameters), and
 sum-only reductions are forced because gloo has no pre-multiplied sum.
+
+Whole replicas (`fsdp_size=1` with two or more ranks, fp32 compute, no offload) skip step 3: every
+rank holds the whole model, so FSDP2 would shard nothing, yet it would still copy each layer's
+gradients into a flat buffer, divide them by the factor 1 into a new buffer and copy that into a
+third before all-reducing it (three passes over the gradients per backward). Instead the model stays
+a plain module and a trainable one is wrapped in `DistributedDataParallel`, whose gradients are views
+into its all-reduce buckets (no copies) and whose bucket all-reduces start during backward; its
+communication hook sums (step 4) instead of averaging. A frozen model (the reference) needs no
+wrapper at all. With bf16 compute the FSDP2 path stays: DDP has no parameter-cast policy.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
 from transformers import PreTrainedModel
 
 from ballast.engine import attention
@@ -44,8 +55,43 @@ def check_ulysses_compatible(model: PreTrainedModel, sp_size: int) -> None:
         )
 
 
-def parallelize(model: PreTrainedModel, parallel: ParallelState, cfg: EngineConfig) -> PreTrainedModel:
-    """Apply Ulysses routing, activation checkpointing and FSDP2 to `model` in place; returns it."""
+def whole_replicas(parallel: ParallelState, cfg: EngineConfig) -> bool:
+    """True when every rank holds the whole model in fp32 and there are peers to reduce with:
+    the model is then replicated (plain module, DDP when trainable) instead of FSDP2-wrapped."""
+    return (parallel.world_size > 1 and parallel.fsdp_shard_size == 1 and not cfg.cpu_offload
+            and compute_dtype(cfg, parallel.device_type) == torch.float32)
+
+
+def _sum_allreduce_hook(group, bucket):
+    """DDP communication hook: all-reduce a gradient bucket with SUM (DDP's own hooks average).
+
+    Unannotated on purpose: DDP compares the annotations to its classes, and postponed evaluation
+    (`from __future__ import annotations`) turns them into strings it rejects."""
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def _replicate(model: PreTrainedModel, parallel: ParallelState, trainable: bool) -> torch.nn.Module:
+    if not trainable:
+        return model
+    group = parallel.replica_group
+    ddp = DistributedDataParallel(
+        model,
+        process_group=group,
+        # Buffers (rotary frequencies) are computed identically on every rank: no per-forward broadcast.
+        broadcast_buffers=False,
+        gradient_as_bucket_view=True,
+    )
+    ddp.register_comm_hook(group, _sum_allreduce_hook)
+    return ddp
+
+
+def parallelize(model: PreTrainedModel, parallel: ParallelState, cfg: EngineConfig) -> torch.nn.Module:
+    """Apply Ulysses routing, activation checkpointing and FSDP2 (or replication) to `model` in place.
+
+    Returns the module training forwards must go through: `model` itself (FSDP2 turns it into an
+    `FSDPModule` in place; a frozen replica), or a `DistributedDataParallel` wrapper around it.
+    """
     # 1. Ulysses / packed attention routing
     attention.install(model)
     check_ulysses_compatible(model, parallel.sp_size)
@@ -60,6 +106,8 @@ def parallelize(model: PreTrainedModel, parallel: ParallelState, cfg: EngineConf
             "cpu_offload=True offloads parameters from a GPU to host memory; on a CPU-only engine "
             "(device='cpu') there is nothing to offload — set cpu_offload=False"
         )
+    if whole_replicas(parallel, cfg):
+        return _replicate(model, parallel, cfg.trainable)
     dtype = compute_dtype(cfg, parallel.device_type)
     mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     shard_kwargs = dict(mesh=parallel.fsdp_mesh, mp_policy=mp_policy)

@@ -3,8 +3,9 @@ dp=2 mesh (2 CPU processes, one launch).
 
 Round trip: after save -> load into a fresh engine, parameters, optimizer moments, schedule and
 counters are back, shown by the next step producing bit-identical parameters to the step taken by
-the original engine; loaded into a hybrid-sharded engine (`fsdp_size=1`), the same step within 1e-6,
-and a non-finite gradient on one replica makes both replicas skip.
+the original engine; loaded into whole replicas (`fsdp_size=1`, DDP), the same step within 1e-6, a
+non-finite gradient on one replica makes both replicas skip, and the replicas' own checkpoint loads
+back into a fully sharded engine unchanged.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch.distributed as dist
 import transformers
 
 from ballast.engine import EngineConfig, MicroBatchSpec, OptimConfig, TrainEngine, agg_loss
-from testkit.engine import make_rl_batch, spawn_ranks
+from testkit.engine import full, local, make_rl_batch, spawn_ranks
 
 # Progress bars start tqdm's monitor thread; without it the ranks can be forked (fast).
 transformers.utils.logging.disable_progress_bar()
@@ -33,12 +34,12 @@ def loss_fn(outputs, micro, norm):
 
 
 def _full_params(engine):
-    return {n: p.full_tensor().detach().clone() for n, p in engine.model.named_parameters()}
+    return {n: full(p).detach().clone() for n, p in engine.model.named_parameters()}
 
 
 def _moments(engine):
     return [
-        (s["exp_avg"].full_tensor().clone(), s["exp_avg_sq"].full_tensor().clone())
+        (full(s["exp_avg"]).clone(), full(s["exp_avg_sq"]).clone())
         for s in engine.optimizer.state.values()
     ]
 
@@ -54,20 +55,20 @@ def _checkpoint_worker(rank, world, root, model_dir):
     from ballast.engine.dist import build_parallel_state
 
     data = TensorDict(torch.load(os.path.join(root, "data.pt"), weights_only=True), batch_size=[8])
-    local = data[rank * 4 : (rank + 1) * 4]
+    rows = data[rank * 4 : (rank + 1) * 4]
     parallel = build_parallel_state(1, "cpu")
     cfg = EngineConfig(model_path=model_dir, optim=OPTIM, grad_clip=1.0)
     engine = TrainEngine(cfg, parallel=parallel)
     report = {"lrs": []}
-    first = _step(engine, local)
+    first = _step(engine, rows)
     report["lrs"].append(first["lr"])
     report["first_grad_norm"] = first["grad_norm"]
 
     # a non-finite gradient on ONE rank's shard: every rank must skip the step
-    engine.forward_backward_batch(local, loss_fn, SPEC)
+    engine.forward_backward_batch(rows, loss_fn, SPEC)
     before, moments_before = _full_params(engine), _moments(engine)
     if rank == 0:
-        next(p for p in engine.model.parameters() if p.grad is not None).grad._local_tensor[0] = float("nan")
+        local(next(p for p in engine.model.parameters() if p.grad is not None).grad).view(-1)[0] = float("nan")
     skipped = engine.optimizer_step()
     report["skipped"] = skipped
     after, moments_after = _full_params(engine), _moments(engine)
@@ -77,11 +78,11 @@ def _checkpoint_worker(rank, world, root, model_dir):
     )
     report["grads_cleared"] = all(p.grad is None for p in engine.model.parameters())
 
-    second = _step(engine, local)
+    second = _step(engine, rows)
     report["lrs"].append(second["lr"])
     engine.save_checkpoint(os.path.join(root, "ckpt"))
     saved = _full_params(engine)
-    third = _step(engine, local)
+    third = _step(engine, rows)
     report["lrs"].append(third["lr"])
     expected = _full_params(engine)
 
@@ -91,7 +92,7 @@ def _checkpoint_worker(rank, world, root, model_dir):
     loaded = _full_params(fresh)
     report["loaded_equal"] = all(torch.equal(saved[n], loaded[n]) for n in saved)
     report["counters"] = (fresh.global_step, fresh.skipped_steps)
-    third_again = _step(fresh, local)
+    third_again = _step(fresh, rows)
     report["third_lr"] = (third["lr"], third_again["lr"])
     got = _full_params(fresh)
     report["resumed_step_max_diff"] = max(float((got[n] - expected[n]).abs().max()) for n in got)
@@ -100,19 +101,30 @@ def _checkpoint_worker(rank, world, root, model_dir):
     import dataclasses
 
     hybrid = TrainEngine(dataclasses.replace(cfg, fsdp_size=1), parallel=build_parallel_state(1, "cpu", 1))
+    report["hybrid_mode"] = hybrid.data_parallel_mode
     hybrid.load_checkpoint(os.path.join(root, "ckpt"))
-    _step(hybrid, local)
+    _step(hybrid, rows)
     got = _full_params(hybrid)
     report["hybrid_resumed_step_max_diff"] = max(float((got[n] - expected[n]).abs().max()) for n in got)
     # a non-finite gradient on one replica only: both replicas skip, so they stay equal
-    hybrid.forward_backward_batch(local, loss_fn, SPEC)
+    hybrid.forward_backward_batch(rows, loss_fn, SPEC)
     if rank == 0:
-        next(p for p in hybrid.model.parameters() if p.grad is not None).grad._local_tensor[0] = float("nan")
+        local(next(p for p in hybrid.model.parameters() if p.grad is not None).grad).view(-1)[0] = float("nan")
     report["hybrid_skipped"] = hybrid.optimizer_step()["step_skipped"]
-    mine = torch.cat([p.to_local().reshape(-1) for p in hybrid.model.parameters()])
+    mine = torch.cat([local(p).reshape(-1) for p in hybrid.model.parameters()])
     replicas = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(replicas, mine)
     report["hybrid_replicas_equal"] = all(torch.equal(r, mine) for r in replicas)
+    # and back: the replicas' checkpoint resumes a fully sharded engine with the same weights and moments
+    hybrid.save_checkpoint(os.path.join(root, "ckpt_replicas"))
+    sharded = TrainEngine(cfg, parallel=parallel)
+    sharded.load_checkpoint(os.path.join(root, "ckpt_replicas"))
+    report["replicas_to_sharded_equal"] = (
+        all(torch.equal(a, b) for a, b in zip(_full_params(hybrid).values(), _full_params(sharded).values()))
+        and all(torch.equal(a0, a1) and torch.equal(b0, b1)
+                for (a0, b0), (a1, b1) in zip(_moments(hybrid), _moments(sharded)))
+        and (sharded.global_step, sharded.skipped_steps) == (hybrid.global_step, hybrid.skipped_steps)
+    )
 
     fresh.export_hf(os.path.join(root, "export"))
     names = [name for name, _ in fresh.iter_full_state_dict()]
@@ -152,7 +164,9 @@ def test_steps_skip_checkpoint_and_export(tmp_path, model_dir):
     assert rep["third_lr"][0] == rep["third_lr"][1]
     assert rep["resumed_step_max_diff"] == 0.0
     assert rep["hybrid_resumed_step_max_diff"] < 1e-6  # only the grad-norm reduction order differs
+    assert rep["hybrid_mode"] == "ddp"
     assert rep["hybrid_skipped"] == 1.0 and rep["hybrid_replicas_equal"]
+    assert rep["replicas_to_sharded_equal"]
     assert rep["same_order_on_all_ranks"]
 
     from transformers import AutoModelForCausalLM, AutoTokenizer

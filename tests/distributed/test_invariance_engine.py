@@ -28,7 +28,7 @@ import transformers
 from ballast.balance import plan_step
 from ballast.engine import EngineConfig, MicroBatchSpec, TrainEngine
 from ballast.engine.losses import LOSS_AGG_MODES, agg_loss
-from testkit.engine import make_rl_batch, reference_log_probs, spawn_ranks
+from testkit.engine import full, make_rl_batch, reference_log_probs, spawn_ranks
 from testkit.models import build_tiny_causal_lm
 
 # Progress bars start tqdm's monitor thread; without it the ranks can be forked (fast).
@@ -157,14 +157,15 @@ def _invariance_worker(rank, world, root, model_dir, sp):
                     batch, partial(rl_loss, mode=mode), spec, temperature=TEMPERATURE, calculate_entropy=True,
                     plan=plan,
                 )
-                grads = {n: p.grad.full_tensor() for n, p in engine.model.named_parameters()}
+                grads = {n: full(p.grad) for n, p in engine.model.named_parameters()}
                 engine.zero_grad()
                 ref_loss, ref_entropy, ref_grads = refs[mode]
                 assert grads.keys() == ref_grads.keys(), (sorted(grads), sorted(ref_grads))
                 ref_norm = math.sqrt(sum(float((g.double() ** 2).sum()) for g in ref_grads.values()))
                 max_diff = max(float((grads[n] - ref_grads[n]).abs().max()) for n in grads)
                 results.append(dict(
-                    rmpad=rmpad, checkpointing=checkpointing, reshard=reshard, fsdp_size=fsdp_size, spec=spec_name, mode=mode, loss=metrics["loss"], ref_loss=ref_loss,
+                    rmpad=rmpad, checkpointing=checkpointing, reshard=reshard, fsdp_size=fsdp_size, spec=spec_name,
+                    data_parallel=engine.data_parallel_mode, mode=mode, loss=metrics["loss"], ref_loss=ref_loss,
                     entropy=metrics["entropy"], ref_entropy=ref_entropy, max_grad_diff=max_diff,
                     ref_grad_norm=ref_norm, num_micro_batches=metrics["num_micro_batches"],
                     planned=central.num_micro_batches,
@@ -197,6 +198,8 @@ def test_loss_and_gradient_equal_the_single_process_reference(problem, dp, sp):
     counts = {r["spec"]: r["num_micro_batches"] for r in results}
     assert any(not r["reshard"] for r in results)
     assert any(r["fsdp_size"] == 1 for r in results) == (dp * sp > 1)
+    # whole replicas run under DDP (summing hook); everything else under FSDP2
+    assert all(r["data_parallel"] == ("ddp" if r["fsdp_size"] == 1 else "fsdp") for r in results)
     assert any(r["checkpointing"] for r in results)
     assert counts["static-1"] == NUM_SAMPLES // dp and counts["static-all"] == 1
     assert counts["dynamic-tight"] > counts["dynamic-loose"]

@@ -22,6 +22,20 @@ import torch.multiprocessing as mp
 from tensordict import TensorDict
 
 
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of an FSDP2 DTensor (collective), or a replica's plain tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor, or a replica's plain tensor itself (writes go through)."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
 def make_rl_batch(
     prompt_lens: Sequence[int],
     response_lens: Sequence[int],
