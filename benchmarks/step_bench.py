@@ -78,13 +78,26 @@ def matmul_peak_flops(threads: int, seconds: float = 1.5) -> float:
     return cpu_matmul_peak_flops(seconds=seconds)
 
 
-def forward_flops(model_dir: str, tokens_per_sample: float, samples: int) -> float:
-    """Forward FLOPs of `samples` sequences of the mean length (linear terms + causal attention)."""
+def _flops_model(model_dir: str):
     from ballast.balance import FlopsModel
 
     with open(os.path.join(model_dir, "config.json")) as f:
-        model = FlopsModel.from_hf_config(json.load(f))
-    return float(model([max(1, round(tokens_per_sample))])[0]) * samples
+        return FlopsModel.from_hf_config(json.load(f))
+
+
+def forward_flops(model_dir: str, tokens_per_sample: float, samples: int) -> float:
+    """Forward FLOPs of `samples` sequences of the mean length (linear terms + causal attention)."""
+    return float(_flops_model(model_dir)([max(1, round(tokens_per_sample))])[0]) * samples
+
+
+def executed_forward_flops(model_dir: str, tokens_per_sample: float, response_tokens_per_sample: float,
+                           samples: int) -> float:
+    """`forward_flops` minus the LM head on prompt tokens: the training forward projects only the
+    positions that predict response tokens onto the vocabulary (what the engine actually computes)."""
+    model = _flops_model(model_dir)
+    head_per_token = 2.0 * model.hidden_size * model.vocab_size
+    prompt_tokens = max(0.0, tokens_per_sample - response_tokens_per_sample)
+    return forward_flops(model_dir, tokens_per_sample, samples) - head_per_token * prompt_tokens * samples
 
 
 # ------------------------------------------------------------------ Ballast
@@ -285,6 +298,12 @@ def summarise(case: Case, variants: Dict[str, List[dict]], trl: List[dict], peak
         # percent within an hour, so a peak measured minutes earlier misstates it), then the median.
         mfu_update = _median_or_none([3.0 * fwd / (r["phases"]["update"] * r.get("peak_flops_total", peak_total))
                                       for r in runs if r["phases"]["update"] > 0])
+        # The same against the FLOPs the engine executes (LM head on response positions only).
+        executed = executed_forward_flops(case.model_dir, tokens / runs[0]["samples"],
+                                          statistics.median(r["response_length_mean"] for r in runs),
+                                          runs[0]["samples"])
+        hfu_update = _median_or_none([3.0 * executed / (r["phases"]["update"] * r.get("peak_flops_total", peak_total))
+                                      for r in runs if r["phases"]["update"] > 0])
         mfu_lp = _median_or_none([fwd / (r["phases"]["old_log_prob"] * r.get("peak_flops_total", peak_total))
                                   for r in runs if r["phases"]["old_log_prob"] > 0.01])
         # Compute floor at the measured peak: generation passes every token through the model once
@@ -295,11 +314,12 @@ def summarise(case: Case, variants: Dict[str, List[dict]], trl: List[dict], peak
         floor["step"] = sum(floor.values())
         out["variants"][name] = {"s_per_step": s, "phases": phases, "tokens_per_s": tokens / s,
                                  "forward_flops_per_step": fwd, "floor_s": floor, "over_floor": s / floor["step"],
-                                 "mfu_update": mfu_update, "mfu_log_prob": mfu_lp, "runs": runs}
+                                 "mfu_update": mfu_update, "hfu_update": hfu_update, "mfu_log_prob": mfu_lp,
+                                 "executed_forward_flops_per_step": executed, "runs": runs}
     # Only the default configuration does TRL's work; without it (its runs failed) no ratio is given.
     base = out["variants"].get("default", {})
     out["ballast_s_per_step"], out["phases"] = base.get("s_per_step"), base.get("phases")
-    for key in ("tokens_per_s", "mfu_update", "mfu_log_prob", "floor_s", "over_floor"):
+    for key in ("tokens_per_s", "mfu_update", "hfu_update", "mfu_log_prob", "floor_s", "over_floor"):
         out[key] = base.get(key)
     out["trl_s_per_step"] = statistics.median(r["s_per_step"] for r in trl) if trl else None
     out["ratio_vs_trl"] = out["ballast_s_per_step"] / out["trl_s_per_step"] \
@@ -403,7 +423,7 @@ def main() -> None:
         print(json.dumps({k: summary.get(k) for k in ("name", "ballast_s_per_step", "trl_s_per_step", "ratio_vs_trl",
                                                        "ratio_vs_trl_paired",
                                                        "ballast_response_length_mean", "trl_response_length_mean",
-                                                       "phases", "mfu_update", "mfu_log_prob", "floor_s")}, indent=1), flush=True)
+                                                       "phases", "mfu_update", "hfu_update", "mfu_log_prob", "floor_s")}, indent=1), flush=True)
     result["load_avg_end"] = os.getloadavg()
     if args.json:
         with open(args.json, "w") as f:
