@@ -219,7 +219,7 @@ class TrainEngine:
         backwards = 0 if forward_only else plan.num_micro_batches
         with torch.set_grad_enabled(not forward_only):
             for index, micro in enumerate(split_micro_batches(data, plan)):
-                with self._gradient_sync(backwards and index == backwards - 1, backwards):
+                with self._gradient_sync(index == backwards - 1, backwards):
                     micro = micro.to(device)
                     outputs = forward_micro_batch(module, micro, opts, self.parallel)
                     loss, metrics = loss_fn(outputs, micro, norm)

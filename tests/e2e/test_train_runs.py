@@ -73,7 +73,10 @@ def test_ppo_run_with_critic_and_gae(session):
              "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
              "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4", "critic.ppo_micro_batch_size_per_gpu=2",
              "critic.optim.lr=1e-3", "actor_rollout_ref.actor.use_kl_loss=True",
-             "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4"]
+             "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
+             # whole replicas (the CPU configs' setting): actor and critic train under DDP, the
+             # reference is a frozen plain module; the other runs here shard with FSDP2
+             "actor_rollout_ref.actor.fsdp_config.fsdp_size=1", "critic.fsdp_config.fsdp_size=1"]
     with session("ppo", *extra) as trainer:
         metrics = trainer.fit()
     _assert_finite(metrics, [k for k in REQUIRED if k != "perf/num_micro_batches"] + [
