@@ -72,6 +72,8 @@ def _sum_allreduce_hook(group, bucket):
 
 
 def _replicate(model: PreTrainedModel, parallel: ParallelState, trainable: bool) -> torch.nn.Module:
+    # The model is loaded on the host; FSDP2 would move it to the mesh's device, a replica moves itself.
+    model.to(parallel.device)
     if not trainable:
         return model
     group = parallel.replica_group
