@@ -5,7 +5,7 @@ Round trip: after save -> load into a fresh engine, parameters, optimizer moment
 counters are back, shown by the next step producing bit-identical parameters to the step taken by
 the original engine; loaded into whole replicas (`fsdp_size=1`, DDP), the same step within 1e-6, a
 non-finite gradient on one replica makes both replicas skip, and the replicas' own checkpoint loads
-back into a fully sharded engine unchanged.
+back into a fully sharded engine unchanged; replicas export a loadable HF directory as shards do.
 """
 
 from __future__ import annotations
@@ -117,6 +117,10 @@ def _checkpoint_worker(rank, world, root, model_dir):
     report["hybrid_replicas_equal"] = all(torch.equal(r, mine) for r in replicas)
     # and back: the replicas' checkpoint resumes a fully sharded engine with the same weights and moments
     hybrid.save_checkpoint(os.path.join(root, "ckpt_replicas"))
+    hybrid.export_hf(os.path.join(root, "export_replicas"))
+    replica_state = {name: tensor.clone() for name, tensor in hybrid.iter_full_state_dict()}
+    if rank == 0:
+        torch.save(replica_state, os.path.join(root, "replica_state.pt"))
     sharded = TrainEngine(cfg, parallel=parallel)
     sharded.load_checkpoint(os.path.join(root, "ckpt_replicas"))
     report["replicas_to_sharded_equal"] = (
@@ -182,5 +186,10 @@ def test_steps_skip_checkpoint_and_export(tmp_path, model_dir):
     # the tiny model ties lm_head to the embedding: the weight sync sends it under both names (vLLM's
     # CPU reload re-packs the head only when its own name arrives)
     assert hf.config.tie_word_embeddings and torch.equal(full["lm_head.weight"], full["model.embed_tokens.weight"])
+    # the replicas (DDP) export the same way: an HF directory holding exactly their weights
+    replicas = AutoModelForCausalLM.from_pretrained(tmp_path / "export_replicas", dtype=torch.float32).state_dict()
+    replica_state = torch.load(tmp_path / "replica_state.pt", weights_only=True)
+    assert replica_state.keys() == full.keys()
+    assert all(torch.equal(replicas[name], tensor) for name, tensor in replica_state.items())
     tokenizer = AutoTokenizer.from_pretrained(export)
     assert tokenizer.decode(tokenizer.encode("1 + 2 = 3")).strip() == "1 + 2 = 3"
