@@ -78,26 +78,19 @@ def matmul_peak_flops(threads: int, seconds: float = 1.5) -> float:
     return cpu_matmul_peak_flops(seconds=seconds)
 
 
-def _flops_model(model_dir: str):
+def forward_flops(model_dir: str, tokens_per_sample: float, response_tokens_per_sample: float,
+                  samples: int) -> tuple[float, float]:
+    """Forward FLOPs of `samples` sequences of the mean length (linear terms + causal attention): the
+    model's (every token through the LM head) and those executed, without the LM head on prompt tokens
+    (the training forward projects only the positions that predict response tokens onto the vocabulary)."""
     from ballast.balance import FlopsModel
 
     with open(os.path.join(model_dir, "config.json")) as f:
-        return FlopsModel.from_hf_config(json.load(f))
-
-
-def forward_flops(model_dir: str, tokens_per_sample: float, samples: int) -> float:
-    """Forward FLOPs of `samples` sequences of the mean length (linear terms + causal attention)."""
-    return float(_flops_model(model_dir)([max(1, round(tokens_per_sample))])[0]) * samples
-
-
-def executed_forward_flops(model_dir: str, tokens_per_sample: float, response_tokens_per_sample: float,
-                           samples: int) -> float:
-    """`forward_flops` minus the LM head on prompt tokens: the training forward projects only the
-    positions that predict response tokens onto the vocabulary (what the engine actually computes)."""
-    model = _flops_model(model_dir)
+        model = FlopsModel.from_hf_config(json.load(f))
+    flops = float(model([max(1, round(tokens_per_sample))])[0]) * samples
     head_per_token = 2.0 * model.hidden_size * model.vocab_size
     prompt_tokens = max(0.0, tokens_per_sample - response_tokens_per_sample)
-    return forward_flops(model_dir, tokens_per_sample, samples) - head_per_token * prompt_tokens * samples
+    return flops, flops - head_per_token * prompt_tokens * samples
 
 
 # ------------------------------------------------------------------ Ballast
@@ -293,19 +286,18 @@ def summarise(case: Case, variants: Dict[str, List[dict]], trl: List[dict], peak
         s = statistics.median(r["s_per_step"] for r in runs)
         phases = {k: statistics.median(r["phases"][k] for r in runs) for k in runs[0]["phases"]}
         tokens = statistics.median(r["tokens_per_step"] for r in runs)
-        fwd = forward_flops(case.model_dir, tokens / runs[0]["samples"], runs[0]["samples"])
-        # MFU per run against the peak measured just before that run (the VM's speed drifts by tens of
-        # percent within an hour, so a peak measured minutes earlier misstates it), then the median.
-        mfu_update = _median_or_none([3.0 * fwd / (r["phases"]["update"] * r.get("peak_flops_total", peak_total))
-                                      for r in runs if r["phases"]["update"] > 0])
-        # The same against the FLOPs the engine executes (LM head on response positions only).
-        executed = executed_forward_flops(case.model_dir, tokens / runs[0]["samples"],
-                                          statistics.median(r["response_length_mean"] for r in runs),
-                                          runs[0]["samples"])
-        hfu_update = _median_or_none([3.0 * executed / (r["phases"]["update"] * r.get("peak_flops_total", peak_total))
-                                      for r in runs if r["phases"]["update"] > 0])
-        mfu_lp = _median_or_none([fwd / (r["phases"]["old_log_prob"] * r.get("peak_flops_total", peak_total))
-                                  for r in runs if r["phases"]["old_log_prob"] > 0.01])
+        fwd, executed = forward_flops(case.model_dir, tokens / runs[0]["samples"],
+                                      statistics.median(r["response_length_mean"] for r in runs), runs[0]["samples"])
+
+        # Utilisation per run against the peak measured just before that run (the VM's speed drifts by
+        # tens of percent within an hour, so a peak measured minutes earlier misstates it), then the median.
+        def utilisation(flops: float, phase: str, min_s: float) -> Optional[float]:
+            return _median_or_none([flops / (r["phases"][phase] * r.get("peak_flops_total", peak_total))
+                                    for r in runs if r["phases"][phase] > min_s])
+
+        mfu_update = utilisation(3.0 * fwd, "update", 0.0)
+        hfu_update = utilisation(3.0 * executed, "update", 0.0)  # LM head on response positions only
+        mfu_lp = utilisation(fwd, "old_log_prob", 0.01)
         # Compute floor at the measured peak: generation passes every token through the model once
         # (prefill + decode), the update three times (forward + backward); the old-log-prob pass once
         # unless the run skipped it.
