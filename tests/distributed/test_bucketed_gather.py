@@ -15,6 +15,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from ballast.engine.gather import iter_gathered
+from testkit.engine import full as full_tensor_of
 from testkit.engine import spawn_ranks
 
 
@@ -46,7 +47,7 @@ def _check(rank: int, world: int) -> None:
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    expected = {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in model.state_dict().items()}
+    expected = {k: full_tensor_of(v) for k, v in model.state_dict().items()}
     got = dict(iter_gathered(model.state_dict().items(), bucket_bytes=4096))
     assert list(got) == list(expected)
     for name in expected:
@@ -79,7 +80,7 @@ def _check_hybrid(rank: int, world: int) -> None:
         fully_shard(model, mesh=mesh)
         state = model.state_dict()
         assert all(tuple(v.placements) == (Replicate(), Shard(0)) for v in state.values() if isinstance(v, DTensor))
-        expected = {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in state.items()}
+        expected = {k: full_tensor_of(v) for k, v in state.items()}
         got = dict(iter_gathered(state.items(), bucket_bytes=4096))
         assert list(got) == list(expected)
         for name in expected:
