@@ -11,7 +11,9 @@
 * the lockstep cost model of FSDP micro-steps: :func:`lockstep_cost`, :func:`refine_lockstep`
   (exchanges inside each rank), :func:`refine_lockstep_across_ranks` (swaps between ranks too);
 * the whole-step plan the trainer runs: :func:`plan_step` -> :class:`StepPlan` (DP partition and
-  micro-batches chosen together), :func:`lockstep_lower_bounds`.
+  micro-batches chosen together for a :class:`PlanObjective`: ``"lockstep"`` for engines with
+  collectives in every micro-batch, ``"rank_total"`` for one gradient sync per mini-batch),
+  :func:`lockstep_lower_bounds`.
 """
 
 from .bucketing import bucket_ids, min_bucketed_micro_batches, plan_bucketed_micro_batches
@@ -25,12 +27,13 @@ from .micro_batch import (
 )
 from .partition import greedy_partition, karmarkar_karp, partition_sums, validate_partition
 from .refine import refine_partition
-from .step_plan import StepPlan, lockstep_lower_bounds, plan_step
+from .step_plan import PlanObjective, StepPlan, lockstep_lower_bounds, plan_step
 from .workload import VERL_LINEAR_COEFF, FlopsModel, Workload, workload_costs
 
 __all__ = [
     "BalancePlan",
     "FlopsModel",
+    "PlanObjective",
     "VERL_LINEAR_COEFF",
     "StepPlan",
     "Workload",
