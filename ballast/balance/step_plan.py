@@ -6,8 +6,8 @@ is a DP partition (equal sample counts per rank) followed by micro-batches under
 the same count on every rank. What it minimises is its ``objective`` (:class:`PlanObjective`), which
 follows how the engine synchronises the ranks:
 
-* ``"lockstep"``: collectives in every micro-batch (FSDP2 all-gathers parameters and
-  reduce-scatters gradients per micro-batch), so micro-step ``j`` ends when the slowest rank ends
+* ``"lockstep"``: collectives in every micro-batch (FSDP2 all-gathers the parameters in each, and
+  on GPU reduce-scatters the gradients after each backward), so micro-step ``j`` ends when the slowest rank ends
   its ``j``-th micro-batch and the step costs ``sum_j max_r cost[r][j]`` (:mod:`ballast.balance.joint`);
 * ``"rank_total"``: one gradient synchronisation per mini-batch (DDP whole replicas, which
   accumulate under ``no_sync``) or none at all (a frozen replica's log-prob pass): ranks run their
@@ -270,6 +270,8 @@ def _rank_total_partitions(tokens: np.ndarray, costs: np.ndarray, dp: int, workl
     """The workload-balanced partition, and verl's (Karmarkar-Karp on its cost, on samples or on uid
     groups) refined on the workload costs: never a heavier heaviest rank than verl's own."""
     yield "joint", balance_batch(tokens, dp, workload=workload, group_ids=group_ids).partitions
+    if isinstance(workload, str) and workload == "verl":
+        return  # balance_batch refined verl's own Karmarkar-Karp start on these very costs
     if group_ids is None:
         verl_parts = karmarkar_karp(workload_costs(tokens, "verl"), dp, equal_size=True)
     else:
