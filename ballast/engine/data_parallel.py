@@ -90,8 +90,9 @@ class DataParallel:
     `module` is the model itself under FSDP2 (sharded in place) and for a frozen replica, and a
     `DistributedDataParallel` wrapper around it under DDP. DDP always defers: its summing hook
     all-reduces the accumulated gradient, so reducing after every backward would add the micro-batches
-    already reduced once more per rank. FSDP2 adds each reduce-scatter's result to the sharded
-    gradient, so it may do either (`defers_fsdp_reduction`).
+    already reduced once more per rank (for the same reason a DDP mini-batch must start from zero
+    gradients). FSDP2 adds each reduce-scatter's result to the sharded gradient, so it may do either
+    (`defers_fsdp_reduction`).
     """
 
     module: torch.nn.Module
