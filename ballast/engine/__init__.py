@@ -1,4 +1,5 @@
-"""Training engine: one HF model on a (dp, sp) mesh with FSDP2, driven by TensorDict mini-batches.
+"""Training engine: one HF model on a (dp, sp) mesh with FSDP2 (or DDP for whole replicas), driven by
+TensorDict mini-batches.
 
 No Ray and no `ballast.protocol` here: the engine runs under plain `torchrun` (gloo on CPU, NCCL on
 GPU). See docs/engine.md for the data flow, the loss formulas and the gradient-invariance argument.

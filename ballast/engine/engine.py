@@ -8,8 +8,9 @@ One call of `forward_backward_batch` processes one mini-batch (this rank's share
 2. for every micro-batch: forward (padded, packed, or packed + Ulysses), `loss_fn(outputs, micro,
    norm)`, backward. The loss returned by `loss_fn` is the micro-batch's exact share of the mini-batch
    loss, so summing over micro-batches and DP ranks gives the mini-batch loss;
-3. FSDP reduce-scatters with a plain SUM (see `parallelize`), so the accumulated gradient is the
-   gradient of the mini-batch loss whatever the dp size, sp size or micro-batch cut;
+3. data parallelism (FSDP2 reduce-scatter or DDP all-reduce, see `parallelize`) sums gradients
+   with a plain SUM, so the accumulated gradient is the gradient of the mini-batch loss whatever the
+   dp size, sp size or micro-batch cut;
 4. metrics: summed over micro-batches and over the DP group (they are shares too).
 
 Dummy micro-batches (a rank with fewer samples than the agreed count) back-propagate a zero-weighted
@@ -25,14 +26,13 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
-from torch.distributed.fsdp import FSDPModule
-from torch.nn.parallel import DistributedDataParallel
 
 from ballast.balance import FlopsModel
 from ballast.engine import checkpoint as ckpt
 from ballast.engine.config import EngineConfig, MicroBatchSpec
-from ballast.engine.dist import (ParallelState, build_parallel_state, fsdp_shard_size, init_distributed,
-                                 resolve_device_type)
+from ballast.engine.data_parallel import DataParallelMode
+from ballast.engine.dist import (ParallelState, build_parallel_state, init_distributed, resolve_device_type,
+                                 resolve_shard_size)
 from ballast.engine.gather import iter_gathered
 from ballast.engine.forward import ForwardOptions, forward_micro_batch
 from ballast.engine.losses import GlobalNorm
@@ -97,14 +97,14 @@ class TrainEngine:
                 f"parallel state has sp={parallel.sp_size} but ulysses_sequence_parallel_size="
                 f"{cfg.ulysses_sequence_parallel_size}"
             )
-        if parallel.fsdp_shard_size != fsdp_shard_size(cfg.fsdp_size, parallel.world_size):
-            raise ValueError(f"parallel state shards parameters over {parallel.fsdp_shard_size} rank(s) but "
+        if parallel.shard_size != resolve_shard_size(cfg.fsdp_size, parallel.world_size):
+            raise ValueError(f"parallel state shards parameters over {parallel.shard_size} rank(s) but "
                              f"fsdp_size={cfg.fsdp_size}")
         self.parallel = parallel
-        # `model`: the HF module (parameters, state dicts, inference); `_train_module`: what training
-        # forwards go through, the same object under FSDP2 or a DDP wrapper around it (replicas).
+        # `model`: the HF module (parameters, state dicts, inference); `data_parallel.module`: what
+        # training forwards go through, the same object under FSDP2 or a DDP wrapper around it.
         self.model = load_model(cfg.model_path, cfg.role, cfg.trust_remote_code, seed)
-        self._train_module = parallelize(self.model, parallel, cfg)
+        self.data_parallel = parallelize(self.model, parallel, cfg)
         # Dynamic micro-batches are balanced by this model's forward FLOPs (linear + causal attention),
         # so long samples count for what they cost, not just for their tokens.
         self.workload = _flops_model(self.model.config)
@@ -116,12 +116,10 @@ class TrainEngine:
         self.last_micro_batch_tokens: list[list[int]] = []
 
     @property
-    def data_parallel_mode(self) -> str:
+    def data_parallel_mode(self) -> DataParallelMode:
         """How the model is spread over ranks: "fsdp" (FSDP2), "ddp" (a whole trainable replica per
         rank, gradients summed by DDP) or "replica" (a whole frozen replica per rank)."""
-        if isinstance(self._train_module, DistributedDataParallel):
-            return "ddp"
-        return "fsdp" if isinstance(self.model, FSDPModule) else "replica"
+        return self.data_parallel.mode
 
     # ------------------------------------------------------------------ mini-batch execution
     def _preflight(self, data: TensorDict, spec: MicroBatchSpec,
@@ -212,7 +210,7 @@ class TrainEngine:
         opts = self._forward_options(temperature, calculate_entropy)
         device = self.parallel.device
         seq_len, response_len = data["input_ids"].shape[1], data["responses"].shape[1]
-        module = self.model if forward_only else self._train_module
+        module = self.model if forward_only else self.data_parallel.module
         module.train(not forward_only)
         # Accumulated on the device and read once at the end: no host sync per micro-batch.
         sums: dict[str, torch.Tensor] = {"loss": torch.zeros((), dtype=torch.float64, device=device)}
@@ -234,8 +232,6 @@ class TrainEngine:
             for index in range(len(plan.micro_indices), plan.num_micro_batches):
                 with self._gradient_sync(index == backwards - 1, backwards):
                     self._run_dummy(module, seq_len, response_len, opts, backward=not forward_only)
-        if backwards:
-            self._set_fsdp_gradient_sync(True)
         result, self.last_micro_batch_tokens = self._sum_over_dp(
             {key: float(value) for key, value in sums.items()}, micro_tokens)
         result.update(
@@ -247,32 +243,12 @@ class TrainEngine:
         return result
 
     def _gradient_sync(self, last_backward: bool, backwards: int) -> contextlib.AbstractContextManager:
-        """The scope of one micro-batch's forward and backward: reduce gradients only in the last one.
-
-        DDP replicas accumulate locally under `no_sync()` and all-reduce the sum once per mini-batch
-        (on every device: their gradients are whole either way). FSDP2 on CPU does the same (see
-        `_set_fsdp_gradient_sync`). Forward-only calls (`backwards == 0`) reduce nothing.
-        """
+        """The scope of one micro-batch's forward and backward (`DataParallel.gradient_sync`): DDP,
+        and FSDP2 on CPU, reduce gradients once per mini-batch, in the last backward. Forward-only
+        calls (`backwards == 0`) reduce nothing."""
         if not backwards:
             return contextlib.nullcontext()
-        if isinstance(self._train_module, DistributedDataParallel):
-            return contextlib.nullcontext() if last_backward else self._train_module.no_sync()
-        self._set_fsdp_gradient_sync(last_backward)
-        return contextlib.nullcontext()
-
-    def _set_fsdp_gradient_sync(self, last_backward: bool) -> None:
-        """On CPU, reduce-scatter gradients once per mini-batch instead of after every micro-batch.
-
-        Until the last backward of a mini-batch, FSDP2 keeps the unsharded gradients (and parameters)
-        and accumulates locally; the last backward reduces the sum. On gloo every collective costs
-        a round trip per layer, so this saves (micro-batches - 1) reductions and all-gathers per
-        mini-batch. On GPU the unsharded gradients of the whole model would have to fit in memory,
-        so there the default (reduce after every backward) stays.
-        """
-        if self.parallel.device_type != "cpu" or not isinstance(self.model, FSDPModule):
-            return
-        self.model.set_requires_gradient_sync(last_backward)
-        self.model.set_reshard_after_backward(last_backward)
+        return self.data_parallel.gradient_sync(last_backward)
 
     def _sum_over_dp(self, sums: dict[str, float], micro_tokens: list[int]) -> tuple[dict[str, float], list]:
         """Metric sums over the DP group, and every DP rank's real-token count per micro-batch."""

@@ -170,13 +170,13 @@ def _check_ranges(cfg: BallastConfig) -> None:
 
 
 def _check_fsdp_size(key: str, size, world: int) -> None:
-    """`size` is an int the engine's rule accepts for `world` workers (`ballast.engine.dist.fsdp_shard_size`)."""
-    from ballast.engine.dist import fsdp_shard_size
+    """`size` is an int the engine's rule accepts for `world` workers (`ballast.engine.dist.resolve_shard_size`)."""
+    from ballast.engine.dist import resolve_shard_size
 
     try:
         if isinstance(size, bool) or not isinstance(size, int):
             raise ValueError(size)
-        fsdp_shard_size(size, world)
+        resolve_shard_size(size, world)
     except ValueError:
         raise ConfigError(f"{key}={size!r}: must be -1 (shard over all {world} workers) or an int that divides the "
                           f"{world} workers (hybrid sharding: {world} / fsdp_size replicas)") from None
