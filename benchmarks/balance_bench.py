@@ -68,17 +68,11 @@ import time
 import numpy as np
 import torch  # verl's functions take and return torch tensors
 
-from ballast.balance import (
-    FlopsModel,
-    balance_batch,
-    lockstep_cost,
-    lockstep_lower_bounds,
-    min_micro_batches,
-    plan_dynamic_micro_batches,
-    plan_joint_micro_batches,
-    plan_step,
-    workload_costs,
-)
+from ballast.balance import FlopsModel, workload_costs
+from ballast.balance.dp_balance import balance_batch
+from ballast.balance.joint import lockstep_cost, plan_joint_micro_batches
+from ballast.balance.micro_batch import min_micro_batches, plan_dynamic_micro_batches
+from ballast.balance.step_plan import lockstep_lower_bounds, plan_step
 
 MODELS = {
     # Numbers from the public config.json files of Qwen/Qwen2.5-0.5B and Qwen/Qwen2.5-7B.

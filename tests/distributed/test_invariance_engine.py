@@ -25,7 +25,7 @@ import pytest
 import torch
 import transformers
 
-from ballast.balance import plan_step
+from ballast.balance.step_plan import plan_step
 from ballast.engine import EngineConfig, MicroBatchSpec, TrainEngine
 from ballast.engine.losses import LOSS_AGG_MODES, agg_loss
 from testkit.engine import full, make_rl_batch, reference_log_probs, spawn_ranks
