@@ -53,7 +53,7 @@ def _rank(rank: int, world: int, args, out_path: str) -> None:
             if not sync_once:  # the behaviour before: reduce after every backward
                 engine._set_gradient_sync = lambda last: None
             start = time.perf_counter()
-            metrics = engine.forward_backward_batch(data, loss_fn, spec)
+            metrics = engine.forward_backward_batch(data, loss_fn, engine.plan_micro_batches(data, spec))
             engine.optimizer_step()
             elapsed = time.perf_counter() - start
             engine.__dict__.pop("_set_gradient_sync", None)

@@ -143,7 +143,7 @@ class TrainEngine:
             dist.all_reduce(counts, group=group)
         norm = GlobalNorm(num_tokens=int(counts[0]), num_sequences=int(counts[1]), response_len=response_len)
         micro = plan.for_rank(self.parallel.dp_rank)
-        return norm, micro, [int(lengths[idx].sum()) for idx in micro]
+        return norm, micro, [int(lengths[idx].sum()) for idx in micro if len(idx)]  # zero-weight steps hold none
 
     def plan_micro_batches(self, data: TensorDict, spec: MicroBatchSpec) -> MiniBatchPlan:
         """A plan for `data` as this rank holds it (every rank its own rows), for use without the

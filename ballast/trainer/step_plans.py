@@ -83,22 +83,33 @@ class StepPlanner:
                           **self._common(self.batch, role, policy))
 
     def after_first_mini_batch(self, actor_plan: PhasePlan) -> Optional[MiniBatchPlan]:
-        """The actor's forward-only plan over each rank's rows after its first mini-batch (one epoch),
-        or None when the update has a single mini-batch."""
-        if len(actor_plan.mini_batches) == 1:
-            return None
+        """The actor's forward-only plan over each rank's rows after its first mini-batch, or None
+        when the update has a single mini-batch (see `plan_after_first_mini_batch`)."""
         sizes = self.sizes.actor
         policy = sizes.infer.policy(sizes.sp_size)
-        rows, parts, start = [], [], 0
-        for r in range(actor_plan.dp_size):
-            rest = actor_plan.rank_rows(r)[actor_plan.mini_batches[0].rows_per_rank[r]:]
-            rows.append(rest)
-            parts.append(np.arange(start, start + len(rest)))
-            start += len(rest)
-        sub = self.batch[np.concatenate(rows)]
-        bucketed = policy.mode is MicroBatchMode.BUCKETED
-        return plan_phase(row_lengths(sub), sizes.dp_size, policy, workload=self.workload, partitions=parts,
-                          prompt_lengths=prompt_lengths(sub) if bucketed else None).mini_batches[0]
+        prompts = prompt_lengths(self.batch) if policy.mode is MicroBatchMode.BUCKETED else None
+        return plan_after_first_mini_batch(row_lengths(self.batch), actor_plan, policy, self.workload, prompts)
+
+
+def plan_after_first_mini_batch(lengths: np.ndarray, plan: PhasePlan, policy, workload: Workload = "tokens",
+                                prompt_lengths: Optional[np.ndarray] = None) -> Optional[MiniBatchPlan]:
+    """The inference plan of every rank's rows after its first mini-batch of the one-epoch update
+    `plan`, over the rows where they already are (rank r's rows, in its dispatch order), or None when
+    the update has a single mini-batch. `lengths`/`prompt_lengths` are per step row."""
+    if len(plan.mini_batches) == 1:
+        return None
+    if plan.epochs != 1:
+        raise ValueError(f"old log-probs from the update need one epoch, the plan has {plan.epochs}")
+    rows, parts, start = [], [], 0
+    for r in range(plan.dp_size):
+        rest = plan.rank_rows(r)[plan.mini_batches[0].rows_per_rank[r]:]
+        rows.append(rest)
+        parts.append(np.arange(start, start + len(rest)))
+        start += len(rest)
+    rows = np.concatenate(rows)
+    prompts = None if prompt_lengths is None else np.asarray(prompt_lengths)[rows]
+    return plan_phase(np.asarray(lengths)[rows], plan.dp_size, policy, workload=workload, partitions=parts,
+                      prompt_lengths=prompts).mini_batches[0]
 
 
 def plan_metrics(plan: PhasePlan, role: str) -> Dict[str, float]:
