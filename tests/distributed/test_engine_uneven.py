@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import time
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
