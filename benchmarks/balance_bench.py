@@ -76,18 +76,11 @@ import time
 import numpy as np
 import torch  # verl's functions take and return torch tensors
 
-from ballast.balance import (
-    FlopsModel,
-    StepPlan,
-    balance_batch,
-    lockstep_cost,
-    lockstep_lower_bounds,
-    min_micro_batches,
-    plan_dynamic_micro_batches,
-    plan_joint_micro_batches,
-    plan_step,
-    workload_costs,
-)
+from ballast.balance import FlopsModel, workload_costs
+from ballast.balance.dp_balance import balance_batch
+from ballast.balance.joint import lockstep_cost, plan_joint_micro_batches
+from ballast.balance.micro_batch import min_micro_batches, plan_dynamic_micro_batches
+from ballast.balance.step_plan import StepPlan, lockstep_lower_bounds, plan_step
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from balance_cases import DISTRIBUTIONS, GROUPED, NEW_DISTRIBUTIONS, STRESS_DISTRIBUTIONS, build_cases  # noqa: E402

@@ -93,7 +93,7 @@ def run_mode(args) -> dict:
     times, metrics = [], {}
     for i in range(args.repeats + 1):
         start = time.perf_counter()
-        metrics = engine.forward_backward_batch(data, loss_fn, spec)
+        metrics = engine.forward_backward_batch(data, loss_fn, engine.plan_micro_batches(data, spec))
         engine.optimizer_step()
         if i > 0:  # the first update is the warm-up
             times.append(time.perf_counter() - start)

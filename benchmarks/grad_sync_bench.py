@@ -55,7 +55,7 @@ def _rank(rank: int, world: int, args, out_path: str) -> None:
             # not sync_once: FSDP2's default, the GPU setting (reduce after every backward)
             engine.data_parallel = dataclasses.replace(deferring[reshard], defer_reduction=sync_once)
             start = time.perf_counter()
-            metrics = engine.forward_backward_batch(data, loss_fn, spec)
+            metrics = engine.forward_backward_batch(data, loss_fn, engine.plan_micro_batches(data, spec))
             engine.optimizer_step()
             elapsed = time.perf_counter() - start
             micro = int(metrics["num_micro_batches"])

@@ -10,16 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ballast.balance import (
-    FlopsModel,
-    PlanObjective,
-    balance_batch,
-    karmarkar_karp,
-    lockstep_cost,
-    plan_joint_micro_batches,
-    plan_step,
-    workload_costs,
-)
+from ballast.balance import FlopsModel, PlanObjective, workload_costs
+from ballast.balance.dp_balance import balance_batch
+from ballast.balance.joint import lockstep_cost, plan_joint_micro_batches
+from ballast.balance.partition import karmarkar_karp
+from ballast.balance.step_plan import plan_step
 
 # Qwen2.5-0.5B's config numbers: linear and attention terms both matter at these lengths.
 QWEN_05B = FlopsModel(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864,

@@ -55,8 +55,8 @@ def _trainer(overrides, rewards_per_call):
     trainer = object.__new__(RayPPOTrainer)
     calls = SimpleNamespace(n=0, indices=[], prefixes=[])
 
-    def generate_sequences(batch):
-        calls.indices.append(batch.meta["rollout_call_index"])
+    def generate_sequences(batch, call_index=None, validate=False):
+        calls.indices.append(call_index)
         if len(calls.indices) == 1:  # the first generate of a step syncs the weights (per worker)
             batch.meta["metrics"] = {"timing_s/update_weights": [0.25, 0.5]}
         return batch
