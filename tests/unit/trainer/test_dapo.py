@@ -9,6 +9,7 @@ import torch
 from ballast.protocol import Batch
 from ballast.workers.rollout.postprocess import build_rollout_output, prompt_token_lists
 from ballast.trainer.config import load_config
+from ballast.trainer.data_setup import DataExhausted
 from ballast.trainer.dynamic_sampling import filter_metric_values, informative_groups
 from ballast.trainer.ray_trainer import DynamicSamplingError, RayPPOTrainer
 from ballast.trainer.reward import OverlongBuffer, RewardManager
@@ -140,3 +141,14 @@ def test_dynamic_sampling_combines_generation_batches_of_different_prompt_widths
     assert torch.equal(batch["input_ids"], torch.cat([batch["prompts"], batch["responses"]], dim=1))
     assert batch["position_ids"][0].tolist() == [0, 0, 0, 0, 1, 2, 3]  # one prompt token, then the response
     assert batch["response_mask"].sum().item() == 8 and batch["attention_mask"].sum().item() == 8 + 1 + 1 + 4 + 4
+
+
+def test_running_out_of_data_mid_step_names_the_groups_left_untrained():
+    def no_more(prefix):
+        raise DataExhausted("the training data of trainer.total_epochs=1 is used up")
+
+    trainer, _ = _trainer([], [[1, 1, 0, 1]], make_prompts=no_more)
+    prompts = Batch({"x": torch.zeros(2, 1)}, {"uid": np.array(["s-0", "s-1"], dtype=object)})
+    with pytest.raises(DataExhausted, match="total_epochs=1 is used up; the 1 of data.train_batch_size=2 prompt "
+                                            "groups collected from 1 generation batches are not trained on"):
+        trainer.generate_and_score(prompts, 4, {}, {})
