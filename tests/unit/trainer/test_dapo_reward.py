@@ -94,3 +94,17 @@ def test_the_overlong_buffer_needs_the_dapo_manager():
                                           "reward_model.reward_manager=dapo only .*'naive'"):
         check_config(load_config(BASE), MODEL)
     check_config(load_config(BASE + ["reward_model.reward_manager=dapo"]), MODEL)
+
+
+def test_the_built_in_gsm8k_score_gives_acc_under_the_dapo_manager():
+    class Chars:
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(map(chr, ids))
+
+    answers = ["so #### 42", "so #### 41"]
+    width = max(map(len, answers))
+    responses = torch.tensor([[ord(c) for c in a.ljust(width)] for a in answers])
+    batch = Batch({"responses": responses, "response_mask": torch.ones_like(responses)},
+                  {"data_source": ["openai/gsm8k"] * 2, "ground_truth": ["42", "42"]})
+    scores, extras = RewardManager(Chars(), manager="dapo")(batch)  # no custom function: the GSM8K rule
+    assert extras["acc"].tolist() == [1.0, 0.0] and scores.sum(-1).tolist() == [1.0, 0.0]
