@@ -43,8 +43,8 @@ from ballast.trainer.builders import actor_loss_config
 from ballast.trainer.charts import per_rank_tokens
 from ballast.trainer.checkpointing import CheckpointManager, rng_state, set_rng_state
 from ballast.trainer.config import BallastConfig, DerivedSizes
-from ballast.trainer.data_setup import RunData
-from ballast.trainer.dynamic_sampling import count_groups, filter_metric_values, informative_groups, sampling_metrics
+from ballast.trainer.data_setup import DataExhausted, RunData
+from ballast.trainer.dynamic_sampling import DynamicSamplingError, GroupCollector  # noqa: F401 (re-exported)
 from ballast.trainer.metrics import data_metrics, rollout_probs_diff_metrics, throughput_metrics, timing_metrics
 from ballast.trainer.monitor import BalanceMonitor, micro_batch_metrics, rank_load_metrics
 from ballast.trainer.old_log_probs import OldLogProbPhase, old_log_prob_metrics
@@ -61,10 +61,6 @@ from ballast.trainer import signals
 
 # Rollout call indices (sampling seeds) of the extra generation batches of dynamic sampling.
 EXTRA_GENERATION_CALL_STRIDE = 1 << 24
-
-
-class DynamicSamplingError(RuntimeError):
-    """algorithm.filter_groups could not fill a training batch within max_num_gen_batches."""
 
 
 class NonFiniteStepsError(RuntimeError):
@@ -112,7 +108,11 @@ class RayPPOTrainer:
         try:
             while self.global_step < self.total_steps:
                 step = self.global_step + 1
-                metrics = self.train_step(self.data.next_prompts(step), step)
+                try:
+                    metrics = self.train_step(self.data.next_prompts(step), step)
+                except DataExhausted as end:
+                    self.end_of_data(end)
+                    break
                 metrics.update(self._pending_metrics)
                 self._pending_metrics = {}
                 self.global_step = step
@@ -204,7 +204,9 @@ class RayPPOTrainer:
         """Generate and score; with algorithm.filter_groups, keep only informative groups and draw
         more prompts until train_batch_size of them are collected (DAPO's dynamic sampling)."""
         fg = self.cfg.algorithm.filter_groups
-        kept, num_groups, num_gen, evicted = [], 0, 0, 0
+        collector = GroupCollector(fg.metric, self.cfg.data.train_batch_size, self.cfg.actor_rollout_ref.rollout.n,
+                                   fg.max_num_gen_batches, self.data.pad_token_id) if fg.enable else None
+        num_gen = 0
         while True:
             with _timer(timing, "gen"):
                 batch = self.generate(prompts, step + num_gen * EXTRA_GENERATION_CALL_STRIDE)
@@ -213,28 +215,20 @@ class RayPPOTrainer:
             with _timer(timing, "reward"):
                 extras = self._score(batch, step)
             num_gen += 1
-            if not fg.enable:
+            if collector is None:
                 metrics.update(_extra_means(extras))
                 return batch
-            keep = informative_groups(batch["uid"], filter_metric_values(fg.metric, batch["token_level_scores"], extras))
-            evicted += count_groups(batch["uid"]) - count_groups(batch["uid"][keep])
-            kept.append((batch[np.flatnonzero(keep)], {k: v[keep] for k, v in extras.items()}))
-            num_groups += count_groups(batch["uid"][keep])
-            if num_groups >= self.cfg.data.train_batch_size:
+            if collector.add(batch, extras):
                 break
-            if 0 < fg.max_num_gen_batches <= num_gen:
-                raise DynamicSamplingError(
-                    f"algorithm.filter_groups: {num_gen} generation batches (max_num_gen_batches="
-                    f"{fg.max_num_gen_batches}) gave only {num_groups} of data.train_batch_size="
-                    f"{self.cfg.data.train_batch_size} prompt groups whose answers differ in {fg.metric!r}"
-                )
-            prompts = self.data.next_prompts(step, uid_prefix=f"step{step}.gen{num_gen}")
-        batch = Batch.concat([b for b, _ in kept]) if len(kept) > 1 else kept[0][0]
-        size = self.cfg.data.train_batch_size * self.cfg.actor_rollout_ref.rollout.n
-        extras = {k: np.concatenate([e[k] for _, e in kept]) for k in kept[0][1]}
-        metrics.update(_extra_means({k: v[:size] for k, v in extras.items()}))
-        metrics.update(sampling_metrics(num_gen, evicted, len(batch) - size))
-        return batch[:size]
+            try:
+                prompts = self.data.next_prompts(step, uid_prefix=f"step{step}.gen{num_gen}")
+            except DataExhausted as end:
+                raise DataExhausted(f"{end}; the {collector.progress()} collected from {num_gen} generation "
+                                    "batches are not trained on") from None
+        batch, extras, sampling = collector.result()
+        metrics.update(_extra_means(extras))
+        metrics.update(sampling)
+        return batch
 
     def _score(self, batch: Batch, step: int) -> Dict[str, np.ndarray]:
         scores, extras = self.reward(batch, step=step)
@@ -316,6 +310,16 @@ class RayPPOTrainer:
         metrics["val/score/mean"] = float(per_sample.mean())
         metrics["val/response_length/mean"] = float(out["response_mask"].sum(-1).float().mean())
         return metrics
+
+    def end_of_data(self, end: DataExhausted) -> None:
+        """The data of trainer.total_epochs ran out before the next step was complete: say so, and
+        checkpoint the last trained step when trainer.save_freq asks for checkpoints and it has none
+        (verl's DAPO recipe also ends here and saves its last step)."""
+        done = self.global_step
+        self.tracker.console(f"ballast: {end}: training stops after step {done} of the {self.total_steps} planned")
+        t = self.cfg.trainer
+        if t.save_freq > 0 and done > 0 and done % t.save_freq != 0:
+            self.save_checkpoint()
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> str:

@@ -229,6 +229,9 @@ def _check_dapo(cfg: BallastConfig) -> None:
     if ob.enable and not 0 < ob.len <= cfg.data.max_response_length:
         raise ConfigError(f"reward_model.overlong_buffer.len={ob.len} must be in (0, data.max_response_length="
                           f"{cfg.data.max_response_length}] when reward_model.overlong_buffer.enable=True")
+    if ob.enable and rm.reward_manager != "dapo":
+        raise ConfigError(f"reward_model.overlong_buffer.enable=True is applied by reward_model.reward_manager=dapo "
+                          f"only (verl's {rm.reward_manager!r} manager ignores it): set reward_manager=dapo")
 
 
 def _check_rules(cfg: BallastConfig) -> None:
