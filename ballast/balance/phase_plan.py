@@ -103,6 +103,7 @@ class PhasePlan:
     policy: MicroBatchPolicy
     epochs: int
     metrics: dict
+    objective: Any = None  # what balanced it (None: the planner's default, or no balancing)
 
     @property
     def dp_size(self) -> int:
@@ -191,7 +192,8 @@ def plan_phase(
     if ratios:
         metrics["plan/lockstep_over_lower_bound"] = float(np.mean([r[0] for r in ratios]))
         metrics["plan/lockstep_over_attainable_bound"] = float(np.mean([r[1] for r in ratios]))
-    return _assemble(cuts, policy, epochs, metrics)
+        metrics["plan/max_rank_total_over_bound"] = float(np.mean([r[2] for r in ratios]))
+    return dataclasses.replace(_assemble(cuts, policy, epochs, metrics), objective=objective if balance else None)
 
 
 def _buckets(policy: MicroBatchPolicy, prompt_lengths, n: int) -> Optional[np.ndarray]:
@@ -220,7 +222,8 @@ def _plan_mini_batch(tokens, dp_size, policy, balance, workload, groups, buckets
         kwargs = {} if objective is None else {"objective": objective}
         step = plan_step(tokens, dp_size, policy.token_budget, workload, group_ids=groups, **kwargs)
         ratio = (step.lockstep_cost / step.lower_bound if step.lower_bound > 0 else 1.0,
-                 step.lockstep_cost / step.attainable_lower_bound if step.attainable_lower_bound > 0 else 1.0)
+                 step.lockstep_cost / step.attainable_lower_bound if step.attainable_lower_bound > 0 else 1.0,
+                 step.max_rank_total / step.rank_total_lower_bound if step.rank_total_lower_bound > 0 else 1.0)
         return step.partitions, [tuple(rank) for rank in step.local_micro_batches()], ratio
     if balance:
         parts = balance_batch(tokens, dp_size, workload=workload, group_ids=groups).partitions

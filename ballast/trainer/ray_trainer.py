@@ -77,7 +77,6 @@ class RayPPOTrainer:
         self.kl_ctrl = make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         workload = cfg.trainer.balance_workload
         self.workload = FlopsModel.from_hf_config(model_config) if workload == "flops" else workload
-        self.objectives: Dict[str, object] = {}
         self.total_steps = data.total_steps
         self.actor_loss_cfg = actor_loss_config(cfg)
         self.old_log_probs = OldLogProbPhase(cfg, sizes)
@@ -148,7 +147,7 @@ class RayPPOTrainer:
         with _timer(timing, "step"):
             batch = self.generate_and_score(prompts, step, timing, metrics)
             updates_actor = actor_updates_at(step, self.cfg.trainer.critic_warmup)
-            plans = StepPlanner(self.cfg, self.sizes, self.workload, batch, self.global_step, self.objectives)
+            plans = StepPlanner(self.cfg, self.sizes, self.workload, batch, self.global_step, self.workers.objectives)
             with _timer(timing, "balance"):
                 actor_plan = plans.update("actor") if updates_actor else None
                 separate_pass = self.old_log_probs.before_update or actor_plan is None

@@ -13,7 +13,10 @@
   already holds.
 
 `trainer.balance_batch` balances every phase over the DP ranks (otherwise a contiguous split), by
-`trainer.balance_workload`, keeping a prompt's samples on one rank with `trainer.balance_keep_groups`.
+`trainer.balance_workload`, keeping a prompt's samples on one rank with `trainer.balance_keep_groups`,
+for the objective of the engine that runs the phase (`phase_objectives`): where its ranks meet in a
+collective every micro-batch (FSDP2 re-gathering parameters) a step waits on the lockstep cost; where
+they meet once per mini-batch (DDP, frozen replicas) on the slowest rank's total.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
-from ballast.balance import MicroBatchMode, MiniBatchPlan, PhasePlan, Workload, plan_phase
+from ballast.balance import MicroBatchMode, MiniBatchPlan, PhasePlan, PlanObjective, Workload, plan_phase
+from ballast.engine.data_parallel import micro_batch_lockstep
+from ballast.engine.parallelize import data_parallel_mode
 from ballast.protocol import Batch
 
 ROLES = ("actor", "critic", "ref")
@@ -39,12 +44,24 @@ def prompt_lengths(batch: Batch) -> np.ndarray:
     return batch["attention_mask"][:, :width].sum(-1).numpy()
 
 
+def phase_objectives(engines: Dict[str, Any], world_size: int, device_type: str) -> Dict[tuple, PlanObjective]:
+    """`{(role, backward): objective}` for every role's engine config in `engines` on `world_size`
+    ranks of `device_type`: inference phases run forward only, updates forward and backward."""
+    out = {}
+    for role, cfg in engines.items():
+        mode = data_parallel_mode(cfg, world_size, device_type)
+        for backward in (False, True):
+            lockstep = micro_batch_lockstep(mode, device_type, cfg.reshard_after_forward, backward)
+            out[(role, backward)] = PlanObjective.LOCKSTEP if lockstep else PlanObjective.RANK_TOTAL
+    return out
+
+
 class StepPlanner:
     """Plans of one step's phases over the step's `batch` (rows in generation order), for `sizes` (the
     derived per-role sizes) under `cfg`; made anew every step."""
 
     def __init__(self, cfg, sizes, workload: Workload, batch: Batch, global_step: int,
-                 objectives: Optional[Dict[str, Any]] = None) -> None:
+                 objectives: Optional[Dict[tuple, PlanObjective]] = None) -> None:
         self.cfg, self.sizes, self.workload = cfg, sizes, workload
         self.batch, self.global_step = batch, global_step
         self.objectives = objectives or {}
@@ -55,21 +72,21 @@ class StepPlanner:
             raise ValueError(f"unknown role {role!r}")
         return getattr(self.sizes, role)
 
-    def _common(self, batch: Batch, role: str, policy) -> dict:
+    def _common(self, batch: Batch, role: str, policy, backward: bool) -> dict:
         keep_groups = self.cfg.trainer.balance_keep_groups
         return dict(balance=self.cfg.trainer.balance_batch, workload=self.workload,
                     group_ids=batch["uid"] if keep_groups else None,
                     prompt_lengths=prompt_lengths(batch) if policy.mode is MicroBatchMode.BUCKETED else None,
-                    objective=self.objectives.get(role))
+                    objective=self.objectives.get((role, backward)))
 
     def inference(self, role: str) -> PhasePlan:
         """The plan of `role`'s inference pass over every row (identical requests share one plan)."""
         sizes = self._role(role)
         policy = sizes.infer.policy(sizes.sp_size)
-        key = (sizes.dp_size, policy, self.objectives.get(role))
+        key = (sizes.dp_size, policy, self.objectives.get((role, False)))
         if key not in self._inference:
             self._inference[key] = plan_phase(row_lengths(self.batch), sizes.dp_size, policy,
-                                              **self._common(self.batch, role, policy))
+                                              **self._common(self.batch, role, policy, backward=False))
         return self._inference[key]
 
     def update(self, role: str) -> PhasePlan:
@@ -80,7 +97,7 @@ class StepPlanner:
         return plan_phase(row_lengths(self.batch), sizes.dp_size, policy, mini_batch_samples=sizes.mini_batch_samples,
                           epochs=role_cfg.ppo_epochs, shuffle=role_cfg.shuffle,
                           seed=[self.cfg.trainer.seed, self.global_step, ROLES.index(role)],
-                          **self._common(self.batch, role, policy))
+                          **self._common(self.batch, role, policy, backward=True))
 
     def after_first_mini_batch(self, actor_plan: PhasePlan) -> Optional[MiniBatchPlan]:
         """The actor's forward-only plan over each rank's rows after its first mini-batch, or None

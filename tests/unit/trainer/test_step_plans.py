@@ -71,3 +71,41 @@ def test_rows_after_the_first_mini_batch_are_planned_where_they_are():
         assert all(lengths[rows[mb]].sum() <= 64 for mb in rest.for_rank(r))
     single = _planner(batch, 0, "actor_rollout_ref.actor.ppo_mini_batch_size=8")
     assert single.after_first_mini_batch(single.update("actor")) is None
+
+
+def test_each_phase_plans_for_how_its_engine_synchronises():
+    from ballast.balance import PlanObjective
+    from ballast.engine import EngineConfig
+    from ballast.trainer.step_plans import phase_objectives
+
+    replicas = EngineConfig(model_path="/m", fsdp_size=1)  # whole replicas: DDP, one all-reduce per mini-batch
+    sharded = EngineConfig(model_path="/m")  # FSDP2 re-gathers the parameters every micro-batch
+    kept = EngineConfig(model_path="/m", reshard_after_forward=False)  # gathered once, reduced once on CPU
+    frozen = EngineConfig(model_path="/m", role="ref", fsdp_size=1)
+    got = phase_objectives({"actor": replicas, "critic": sharded, "ref": frozen}, 2, "cpu")
+    assert got[("actor", True)] is got[("actor", False)] is PlanObjective.RANK_TOTAL
+    assert got[("critic", True)] is got[("critic", False)] is PlanObjective.LOCKSTEP
+    assert got[("ref", False)] is PlanObjective.RANK_TOTAL
+    kept_cpu, kept_gpu = phase_objectives({"actor": kept}, 2, "cpu"), phase_objectives({"actor": kept}, 2, "cuda")
+    assert kept_cpu[("actor", True)] is PlanObjective.RANK_TOTAL
+    assert kept_gpu[("actor", True)] is PlanObjective.LOCKSTEP  # GPU reduce-scatters after every backward
+    assert kept_gpu[("actor", False)] is PlanObjective.RANK_TOTAL
+
+
+def test_the_planner_passes_each_phases_objective():
+    from ballast.balance import PlanObjective
+
+    batch = _batch(n=64, seed=4)
+    cfg = load_config(BASE + ["data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+                              "trainer.n_gpus_per_node=4"])
+    by = {}
+    for objective in PlanObjective:
+        planner = StepPlanner(cfg, derive_sizes(cfg), "tokens", batch, 0, {("actor", True): objective})
+        plan = planner.update("actor")
+        assert plan.objective is objective
+        by[objective] = plan.metrics
+    # each plan is at least as good as the other on its own objective
+    assert by[PlanObjective.RANK_TOTAL]["plan/max_rank_total_over_bound"] <= \
+        by[PlanObjective.LOCKSTEP]["plan/max_rank_total_over_bound"]
+    assert by[PlanObjective.LOCKSTEP]["plan/lockstep_over_lower_bound"] <= \
+        by[PlanObjective.RANK_TOTAL]["plan/lockstep_over_lower_bound"]
