@@ -12,11 +12,10 @@ from __future__ import annotations
 
 from typing import Dict, Sequence
 
-import numpy as np
 import torch
 
 from ballast.balance import PhasePlan
-from ballast.protocol import METRICS_KEY, Batch
+from ballast.protocol import Batch
 from ballast.trainer.algorithms import masked_mean
 from ballast.workers.on_policy import OldLogProbMode, old_log_prob_mode
 
@@ -52,9 +51,9 @@ class OldLogProbPhase:
         `batch`; returns the pass's own metrics (MFU)."""
         out = actor_group.compute_log_prob(batch[plan.rows], plan)
         index = torch.as_tensor(plan.restore_index())
-        batch["old_log_probs"] = out["old_log_probs"][index]
-        batch["entropy"] = out["entropy"][index]
-        return {k: float(np.mean(v)) for k, v in out.meta.get(METRICS_KEY, {}).items() if v}
+        batch["old_log_probs"] = out.batch["old_log_probs"][index]
+        batch["entropy"] = out.batch["entropy"][index]
+        return out.mean_metrics()
 
     @staticmethod
     def take_from_update(batch: Batch, results: Sequence, plan: PhasePlan) -> None:

@@ -36,7 +36,7 @@ import torch
 from tqdm import tqdm
 
 from ballast.balance import FlopsModel, PhasePlan, balance_metrics, workload_costs
-from ballast.protocol import METRICS_KEY, Batch
+from ballast.protocol import Batch
 from ballast.trainer.algorithms import get_adv_estimator, kl_penalty, make_kl_controller, masked_mean
 from ballast.trainer.algorithms.policy_loss import actor_constant_metrics
 from ballast.trainer.builders import actor_loss_config
@@ -194,9 +194,8 @@ class RayPPOTrainer:
         """Repeat each prompt n times (adjacent, same uid) on the driver, then generate."""
         batch = prompts.repeat(self.cfg.actor_rollout_ref.rollout.n, interleave=True)
         out = self.workers.actor_rollout.generate_sequences(batch, call_index=step)
-        synced = out.meta.pop(METRICS_KEY, {}).get(UPDATE_WEIGHTS_METRIC, [])
-        self._weight_sync_s = max(synced, default=0.0)
-        return out
+        self._weight_sync_s = max(out.metrics.get(UPDATE_WEIGHTS_METRIC, []), default=0.0)
+        return out.batch
 
     def generate_and_score(self, prompts: Batch, step: int, timing: Dict[str, float],
                            metrics: Dict[str, float]) -> Batch:
@@ -299,7 +298,7 @@ class RayPPOTrainer:
         outputs = []
         for i, chunk in enumerate(val.split(self.data.val_batch_size or len(val))):
             outputs.append(self.workers.actor_rollout.generate_sequences(
-                chunk, call_index=validation_call_index(self.global_step, i), validate=True))
+                chunk, call_index=validation_call_index(self.global_step, i), validate=True).batch)
         out = Batch.concat(outputs) if len(outputs) > 1 else outputs[0]
         scores, extras = self.reward(out)
         per_sample = scores.sum(-1).numpy()

@@ -21,7 +21,7 @@ from tensordict import TensorDict
 
 from ballast.engine import TrainEngine
 from ballast.engine.dist import init_distributed, resolve_device_type
-from ballast.protocol import METRICS_KEY, Batch
+from ballast.protocol import Batch, Output
 from ballast.single_controller import Dispatch, Worker, register
 from ballast.engine import MiniBatchPlan, PhasePlan
 from ballast.workers.on_policy import OldLogProbMode, SelfOldLogProbLoss, rows_after_first
@@ -89,27 +89,28 @@ class ActorRolloutRefWorker(Worker):
 
     # ------------------------------------------------------------------ rollout
     @register(Dispatch.DP_COMPUTE_PROTO, pad=True)
-    def generate_sequences(self, prompts: Batch, call_index: Optional[int] = None, validate: bool = False) -> Batch:
+    def generate_sequences(self, prompts: Batch, call_index: Optional[int] = None, validate: bool = False) -> Output:
         """Prompts (left-padded) -> prompts + responses. `call_index` enters every sampling seed;
-        `validate` switches to the validation sampling parameters."""
+        `validate` switches to the validation sampling parameters. Metrics: the weight sync's seconds
+        (`timing_s/update_weights`) when this call synced."""
         if self.rollout is None:
             raise ValueError(f"worker rank {self.rank} has no rollout role")
         # Weights first, then the KV cache (wake_up): the actor's gathered full tensors are freed
         # before the cache comes back. A level-2 sleep discarded the engine's weights, so they are
         # reloaded after every such sleep, not only after an actor update.
-        meta = dict(prompts.meta)
+        metrics = {}
         if self._weights_stale or self.rollout.needs_weights:
             start = time.perf_counter()
             self.rollout.load_weights(self._require(self.actor, "actor").iter_full_state_dict())
             self._weights_stale = False
             # verl's timing_s/update_weights; the driver takes the slowest worker
-            meta[METRICS_KEY] = {UPDATE_WEIGHTS_METRIC: [time.perf_counter() - start]}
+            metrics[UPDATE_WEIGHTS_METRIC] = [time.perf_counter() - start]
         self.rollout.wake_up()
         sampling = self.spec.rollout_val_sampling if validate else None
         out = tp_generate(self.rollout, prompts.tensors.select(*PROMPT_KEYS), self._tp_group, sampling,
                           call_index=call_index)
         self.rollout.sleep()
-        return Batch(out, non_tensors=prompts.non_tensors, meta=meta)
+        return Output(Batch(out, non_tensors=prompts.non_tensors, meta=dict(prompts.meta)), metrics)
 
     # ------------------------------------------------------------------ actor
     def _require(self, engine, role):
@@ -118,15 +119,15 @@ class ActorRolloutRefWorker(Worker):
         return engine
 
     @register(Dispatch.MESH, mesh="actor")
-    def compute_log_prob(self, batch: Batch, plan: PhasePlan) -> Batch:
+    def compute_log_prob(self, batch: Batch, plan: PhasePlan) -> Output:
         """Old log-probs (and per-token entropy, for the metric) under the current actor."""
         actor = self._require(self.actor, "actor")
         data = engine_input(batch)
         start = time.perf_counter()
         out = actor.infer_batch(data, plan.mini_batches[0], temperature=self.spec.temperature, calculate_entropy=True)
         mfu = mfu_metrics("old_log_prob", actor, data, time.perf_counter() - start, self._peak_flops, passes=1)
-        return Batch({"old_log_probs": out["log_probs"].cpu(), "entropy": out["entropy"].cpu()},
-                     meta={METRICS_KEY: {k: [v] for k, v in mfu.items()}})
+        return Output(Batch({"old_log_probs": out["log_probs"].cpu(), "entropy": out["entropy"].cpu()}),
+                      {k: [v] for k, v in mfu.items()})
 
     @register(Dispatch.MESH, mesh="ref")
     def compute_ref_log_prob(self, batch: Batch, plan: PhasePlan) -> Batch:

@@ -57,7 +57,7 @@ def _run(rank: int, world: int, model_dir: str) -> None:
     # A: a separate pass over every row (its own plan), then the update
     worker_a = _worker(model_dir)
     infer = plan_phase(lengths, world, POLICY)
-    passed = worker_a.compute_log_prob(_mine(step, infer, rank), infer)
+    passed = worker_a.compute_log_prob(_mine(step, infer, rank), infer).batch
     gathered: list = [None] * world
     dist.all_gather_object(gathered, (passed["old_log_probs"], passed["entropy"]))
     index = torch.as_tensor(infer.restore_index())

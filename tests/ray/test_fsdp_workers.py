@@ -59,7 +59,7 @@ def test_two_worker_actor_matches_the_engine_run_directly(ray_session, model_dir
     try:
         group.init_model()
         infer = plan_phase(lengths, 2, STATIC, balance=False)  # rows stay in place, two per micro-batch
-        old = group.compute_log_prob(batch[infer.rows], infer)
+        old = group.compute_log_prob(batch[infer.rows], infer).batch
         batch["advantages"] = torch.randn(batch["responses"].shape, generator=torch.Generator().manual_seed(2)) \
             * batch["response_mask"]
         # two updates: mini-batches of 4 on the contiguous split, then the balanced plan of one mini-batch

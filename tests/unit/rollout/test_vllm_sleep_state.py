@@ -119,7 +119,7 @@ def _served(worker) -> int:
     ids = torch.tensor([[5, 6, 7]])
     prompts = Batch({"input_ids": ids, "attention_mask": torch.ones_like(ids),
                      "position_ids": torch.arange(3)[None]})
-    out = worker.generate_sequences(prompts)
+    out = worker.generate_sequences(prompts).batch
     return int(out.tensors["responses"][0, 0])
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from ballast.protocol import Batch
+from ballast.protocol import Batch, Output
 from ballast.workers.rollout.postprocess import build_rollout_output, prompt_token_lists
 from ballast.trainer.config import load_config
 from ballast.trainer.data_setup import DataExhausted
@@ -68,9 +68,8 @@ def _trainer(overrides, rewards_per_call, make_prompts=None, rollout=None):
         calls.indices.append(call_index)
         if rollout is not None:
             batch = rollout(batch)
-        if len(calls.indices) == 1:  # the first generate of a step syncs the weights (per worker)
-            batch.meta["metrics"] = {"timing_s/update_weights": [0.25, 0.5]}
-        return batch
+        synced = {"timing_s/update_weights": [0.25, 0.5]} if len(calls.indices) == 1 else {}
+        return Output(batch, synced)  # the first generate of a step syncs the weights (per worker)
 
     def reward(batch, step=None):
         values = torch.tensor(rewards_per_call[calls.n], dtype=torch.float32)
