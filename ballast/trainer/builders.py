@@ -14,11 +14,12 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from ballast.engine import EngineConfig, OptimConfig
-from ballast.trainer.algorithms.policy_loss import ActorLossConfig, CriticLossConfig, actor_loss, critic_loss
+from ballast.trainer.algorithms.policy_loss import ActorLossConfig, CriticLossConfig, critic_loss, make_actor_loss
 from ballast.trainer.config import BallastConfig, DerivedSizes
 from ballast.trainer.config.keys import build
 from ballast.trainer.config.schema import OptimSection
 from ballast.trainer.reward import OverlongBuffer
+from ballast.trainer.rollout_correction_phase import loss_correction, rollout_correction_settings
 from ballast.workers.rollout import RolloutConfig, SamplingConfig
 from ballast.workers.spec import ActorRolloutRefSpec, CriticSpec, TrainLoopSpec
 
@@ -118,6 +119,7 @@ def actor_loss_config(cfg: BallastConfig) -> ActorLossConfig:
         clip_ratio_c=a.clip_ratio_c, loss_agg_mode=a.loss_agg_mode, loss_scale_factor=a.loss_scale_factor,
         entropy_coeff=a.entropy_coeff,
         use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type,
+        rollout_correction=loss_correction(rollout_correction_settings(cfg)),
     )
 
 
@@ -128,7 +130,7 @@ def actor_rollout_ref_spec(cfg: BallastConfig, sizes: DerivedSizes, total_steps:
     actor_engine = _engine(cfg, "actor", arr.model, sizes.actor.sp_size, actor.grad_clip,
                            engine_optim(actor.optim, total_steps, "actor_rollout_ref.actor.optim"), actor.fsdp_config)
     train = TrainLoopSpec(
-        loss_fn=functools.partial(actor_loss, cfg=actor_loss_config(cfg)), temperature=temperature,
+        loss_fn=make_actor_loss(actor_loss_config(cfg)), temperature=temperature,
         calculate_entropy=actor.entropy_coeff > 0 or actor.calculate_entropy,
         grad_clip_min_batch_size=actor.grad_clip_min_batch_size if actor.grad_clip_adaptive else None,
     )

@@ -67,13 +67,14 @@ def timing_metrics(batch: Batch, timing_s: Dict[str, float]) -> Dict[str, float]
     return metrics
 
 
-def rollout_probs_diff_metrics(batch: Batch) -> Dict[str, float]:
+def rollout_probs_diff_metrics(batch: Batch, actor_key: str = "old_log_probs") -> Dict[str, float]:
     """verl's rollout-vs-actor check on token probabilities (not log-probs): |p_rollout - p_actor| and
-    their Pearson correlation over the response tokens; empty without rollout log-probs."""
-    if "rollout_log_probs" not in batch or "old_log_probs" not in batch:
+    their Pearson correlation over the response tokens (`actor_key`: the actor's log-probs); empty
+    without rollout log-probs."""
+    if "rollout_log_probs" not in batch or actor_key not in batch:
         return {}
     mask = batch["response_mask"].bool()
-    actor, rollout = batch["old_log_probs"].exp()[mask].double(), batch["rollout_log_probs"].exp()[mask].double()
+    actor, rollout = batch[actor_key].exp()[mask].double(), batch["rollout_log_probs"].exp()[mask].double()
     if actor.numel() == 0:
         return {}
     diff = (actor - rollout).abs()

@@ -17,9 +17,10 @@ What this driver leaves out of verl's `RayPPOTrainer.fit`, and why:
    worker starts.
 3. Rule rewards on the driver. No reward-model worker and no ReMax baseline generation: each is a
    branch of verl's loop that Ballast's batch-path guarantees would have to be re-proven for.
-4. Old log-probs come from the actor, never from the rollout engine (verl's bypass mode). The
-   rollout's own log-probs, when requested, only feed a metric that checks weight sync
-   (`training/rollout_actor_log_prob_diff`).
+4. Old log-probs come from the actor, unless rollout correction's bypass mode takes the rollout
+   engine's (`ballast.trainer.rollout_correction_phase`). The rollout's own log-probs, when
+   requested, feed the mismatch metrics (`rollout_corr/*`, `training/rollout_actor_log_prob_diff`)
+   and the correction.
 5. No profiler hooks, rollout dumps or preemption handling in the loop: checkpoints at `save_freq`
    and at the last step, and `resume_mode=auto`, cover restarts.
 """
@@ -53,6 +54,7 @@ from ballast.workers.actor_rollout_ref import UPDATE_WEIGHTS_METRIC
 from ballast.workers.rollout.base import validation_call_index
 from ballast.workers.on_policy import OldLogProbMode
 from ballast.trainer.reward import RewardManager
+from ballast.trainer.rollout_correction_phase import RolloutCorrectionPhase, rollout_correction_settings
 from ballast.trainer.roles import Workers
 from ballast.trainer.tracking import Tracker, format_validation, progress_postfix
 from ballast.trainer.val_metrics import validation_metrics
@@ -79,7 +81,8 @@ class RayPPOTrainer:
         self.workload = FlopsModel.from_hf_config(model_config) if workload == "flops" else workload
         self.total_steps = data.total_steps
         self.actor_loss_cfg = actor_loss_config(cfg)
-        self.old_log_probs = OldLogProbPhase(cfg, sizes)
+        self.correction = RolloutCorrectionPhase(rollout_correction_settings(cfg))
+        self.old_log_probs = OldLogProbPhase(cfg, sizes, self.correction.corr)
         self.global_step = 0
         self._nonfinite_in_a_row = 0
         self._pending_metrics: Dict[str, float] = {}  # measured after a step's row was logged
@@ -150,8 +153,9 @@ class RayPPOTrainer:
             plans = StepPlanner(self.cfg, self.sizes, self.workload, batch, self.global_step, self.workers.objectives)
             with _timer(timing, "balance"):
                 actor_plan = plans.update("actor") if updates_actor else None
-                separate_pass = self.old_log_probs.before_update or actor_plan is None
+                separate_pass = self.old_log_probs.runs_pass(updates_actor)
                 metrics.update(self.dp_split_metrics(batch, plans.inference("actor") if separate_pass else actor_plan))
+            self.correction.before_old_log_probs(batch)
             if separate_pass:
                 with _timer(timing, "old_log_prob"):
                     metrics.update(self.old_log_probs.run_pass(self.workers.actor_rollout, batch, plans.inference("actor")))
@@ -161,6 +165,8 @@ class RayPPOTrainer:
             if self.sizes.use_critic:
                 with _timer(timing, "values"):
                     self.infer(batch, self.workers.critic.compute_values, plans.inference("critic"))
+            with _timer(timing, "rollout_corr"):
+                metrics.update(self.correction.before_advantages(batch))
             with _timer(timing, "adv"):
                 metrics.update(self.compute_advantages(batch))
             if self.sizes.use_critic:
@@ -168,14 +174,19 @@ class RayPPOTrainer:
                     critic_plan = plans.update("critic")
                     result = self.workers.critic.update_critic(batch[critic_plan.rows], critic_plan)[0]
                     metrics.update(result.metrics, **plan_metrics(critic_plan, "critic"))
+            results = None
             if updates_actor:
                 with _timer(timing, "update_actor"):
-                    metrics.update(self.update_actor(batch, actor_plan, plans, separate_pass))
-        metrics.update(old_log_prob_metrics(batch))
+                    actor_metrics, results = self.update_actor(batch, actor_plan, plans, separate_pass)
+                    metrics.update(actor_metrics)
+            with _timer(timing, "rollout_corr"):
+                metrics.update(self.correction.after_update(batch, actor_plan, results))
+        actor_key = "train_log_probs" if self.correction.bypass else "old_log_probs"
+        metrics.update(old_log_prob_metrics(batch, actor_key))
         metrics.update(data_metrics(batch, self.cfg.data.max_response_length, self.sizes.use_critic))
         self.monitor.report(step)
         metrics.update(timing_metrics(batch, timing))
-        metrics.update(rollout_probs_diff_metrics(batch))
+        metrics.update(rollout_probs_diff_metrics(batch, actor_key))
         metrics.update(throughput_metrics(batch, timing["step"], self.workers.world_size))
         metrics["training/global_step"] = float(step)
         metrics["training/epoch"] = float(self.data.epoch)
@@ -264,13 +275,13 @@ class RayPPOTrainer:
         batch["advantages"], batch["returns"] = adv, returns
         return metrics
 
-    def update_actor(self, batch: Batch, plan: PhasePlan, plans: StepPlanner, separate_pass: bool) -> Dict[str, float]:
-        """The actor update on `batch[plan.rows]`; without a separate pass, the old log-probs and
-        entropies the update computed are written into `batch`."""
+    def update_actor(self, batch: Batch, plan: PhasePlan, plans: StepPlanner, separate_pass: bool):
+        """The actor update on `batch[plan.rows]`: (metrics, every DP rank's `UpdateResult`). When the
+        update computed the old log-probs, they and their entropies are written into `batch`."""
         mode = OldLogProbMode.PASS if separate_pass else self.old_log_probs.mode
-        rest = None if separate_pass else plans.after_first_mini_batch(plan)
+        rest = plans.after_first_mini_batch(plan) if mode.from_update else None
         results = self.workers.actor_rollout.update_actor(batch[plan.rows], plan, mode, rest)
-        if not separate_pass:
+        if mode.from_update:
             self.old_log_probs.take_from_update(batch, results, plan)
         metrics = dict(results[0].metrics)
         metrics.update(plan_metrics(plan, "actor"))
@@ -289,7 +300,7 @@ class RayPPOTrainer:
         else:
             self._nonfinite_in_a_row = 0
         metrics["perf/num_micro_batches"] = metrics.pop("actor/num_micro_batches", float("nan"))
-        return metrics
+        return metrics, results
 
     def validate(self) -> Dict[str, float]:
         """Answer every validation prompt `val_kwargs.n` times; verl's val-core/val-aux metrics per data

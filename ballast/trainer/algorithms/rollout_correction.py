@@ -130,7 +130,10 @@ def parse_is_threshold(spec, key: str = f"{KEY}.rollout_is_threshold") -> tuple[
 
 
 def parse_rs_options(spec, key: str = f"{KEY}.rollout_rs") -> tuple[str, ...]:
-    """The comma-separated `rollout_rs` options, checked, duplicates dropped, order kept."""
+    """The comma-separated `rollout_rs` options (a list of them is accepted too), checked, duplicates
+    dropped, order kept."""
+    if isinstance(spec, (list, tuple)) and all(isinstance(part, str) for part in spec):
+        spec = ",".join(spec)
     if not isinstance(spec, str):
         raise ValueError(f"{key}={spec!r} must be a comma-separated string of options, e.g. 'seq_mean_k3'")
     options = []
@@ -196,6 +199,15 @@ def parse_rollout_correction(rollout_is=None, rollout_is_threshold=2.0, rollout_
     for name, value in (("rollout_is_batch_normalize", rollout_is_batch_normalize), ("bypass_mode", bypass_mode)):
         if not isinstance(value, bool):
             raise ValueError(f"{KEY}.{name}={value!r} must be true or false")
+    if rollout_is_batch_normalize and rollout_is is None:
+        raise ValueError(f"{KEY}.rollout_is_batch_normalize=true normalises importance weights, but "
+                         f"{KEY}.rollout_is is null: set rollout_is=token or sequence, or the switch off")
+    if loss_type != "ppo_clip" and not bypass_mode:
+        raise ValueError(f"{KEY}.loss_type={loss_type!r} chooses bypass mode's loss; set {KEY}.bypass_mode=true "
+                         "(decoupled mode uses actor_rollout_ref.actor.policy_loss.loss_mode)")
+    if bypass_mode and loss_type == "ppo_clip" and rollout_is_batch_normalize:
+        raise ValueError(f"{KEY}.rollout_is_batch_normalize=true has no effect with bypass_mode=true and "
+                         "loss_type=ppo_clip (the clipped ratio corrects; the weights are only reported)")
     upper, lower = parse_is_threshold(rollout_is_threshold)
     rejection = ()
     if rollout_rs is not None:
