@@ -220,13 +220,13 @@ CORRECTION_MODES = [
                                              rollout_is_batch_normalize=True, rollout_rs="seq_sum_k1",
                                              rollout_rs_threshold="0.3_3.0")),
     ("dec-rs-token-k1-seq-max-k3", dict(rollout_rs="token_k1,seq_max_k3", rollout_rs_threshold="0.6_1.6,0.5")),
-    ("bypass-ppo-clip-seq-mean-k3", dict(bypass_mode=True, rollout_rs="seq_mean_k3", rollout_rs_threshold=0.05)),
+    ("bypass-ppo-clip-seq-mean-k3", dict(bypass_mode=True, rollout_rs="seq_mean_k3", rollout_rs_threshold=0.045)),
     ("bypass-pg-seq-tis", dict(bypass_mode=True, loss_type="reinforce", rollout_is="sequence")),
     ("bypass-pg-token-icepop-norm", dict(bypass_mode=True, loss_type="reinforce", rollout_is="token",
                                          rollout_is_threshold="0.6_1.6", rollout_is_batch_normalize=True)),
     ("bypass-pg-seq-norm-rs", dict(bypass_mode=True, loss_type="reinforce", rollout_is="sequence",
-                                   rollout_is_threshold=3.0, rollout_is_batch_normalize=True,
-                                   rollout_rs="token_k2,seq_mean_k1", rollout_rs_threshold="0.2,0.7_1.4")),
+                                   rollout_is_threshold=1.5, rollout_is_batch_normalize=True,
+                                   rollout_rs="token_k2,seq_mean_k1", rollout_rs_threshold="0.08,0.7_1.4")),
 ]
 CORRECTION_SPECS = ("static-1", "static-all", "dynamic-tight", "central-tight")
 
