@@ -141,7 +141,9 @@ CONSOLE_KEYS: List[str] = [
 
 
 # The progress bar's numbers: (metric, short name).
-PROGRESS_KEYS = [("critic/score/mean", "score"), ("actor/pg_loss", "pg_loss"), ("response_length/mean", "resp_len")]
+PROGRESS_KEYS = [("critic/score/mean", "score"), ("actor/pg_loss", "pg_loss"), ("response_length/mean", "resp_len"),
+                 # rollout correction: the rollout/training mismatch, and what rejection dropped
+                 ("rollout_corr/k3_kl", "mismatch_kl"), ("rollout_corr/rollout_rs_masked_fraction", "rejected")]
 
 
 def progress_postfix(metrics: Dict[str, float]) -> Dict[str, str]:

@@ -63,6 +63,9 @@ def test_rewind_keeps_the_rows_a_resumed_run_continues_from(tmp_path):
 def test_progress_bar_numbers_and_validation_line():
     metrics = {"critic/score/mean": 0.4567, "actor/pg_loss": -0.01234, "response_length/mean": 61.61, "actor/lr": 1.0}
     assert progress_postfix(metrics) == {"score": "0.457", "pg_loss": "-0.0123", "resp_len": "61.6"}
+    corrected = dict(metrics, **{"rollout_corr/k3_kl": 0.001234, "rollout_corr/rollout_rs_masked_fraction": 0.05})
+    assert progress_postfix(corrected) == {"score": "0.457", "pg_loss": "-0.0123", "resp_len": "61.6",
+                                           "mismatch_kl": "0.00123", "rejected": "0.05"}
     one = {"val/score/mean": 0.25, "val/score/synthetic": 0.25, "val/response_length/mean": 12.34}
     assert format_validation(one, 20) == "validation at step 20: score 0.250 | response length 12.3"
     two = {"val/score/mean": 0.5, "val/score/a": 0.25, "val/score/b": 0.75}
