@@ -227,6 +227,9 @@ CORRECTION_MODES = [
     ("bypass-pg-seq-norm-rs", dict(bypass_mode=True, loss_type="reinforce", rollout_is="sequence",
                                    rollout_is_threshold=1.5, rollout_is_batch_normalize=True,
                                    rollout_rs="token_k2,seq_mean_k1", rollout_rs_threshold="0.08,0.7_1.4")),
+    # Ballast's extensions: probability-difference and binary-KL token masks, an outlier-sequence mask
+    ("bypass-ppo-clip-tv-bkl-outlier", dict(bypass_mode=True, rollout_rs="token_tv,token_bkl,seq_max_absk1",
+                                            rollout_rs_threshold="0.003,0.0004,2.5")),
 ]
 CORRECTION_SPECS = ("static-1", "static-all", "dynamic-tight", "central-tight")
 

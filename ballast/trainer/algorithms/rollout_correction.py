@@ -12,6 +12,13 @@ training differentiates pi_theta. With the per-token log-ratio log r = log pi_tr
   k3 = r - 1 - log r; aggregated per token, or per sequence as sum, mean or max. k1 options take
   ratio bounds "lower_upper" (a single number u means 1/u_u); k2 and k3 an upper bound.
 
+Beyond verl's options, Ballast offers the masks other trainers use, on the same footing (Ballast
+extensions, not verl keys): `token_tv` / `seq_max_tv`, the absolute difference of the sampled
+token's probabilities |p_train - p_rollout| (DPPO-style trust-region masks); `token_bkl` /
+`seq_max_bkl`, the KL between the two Bernoulli distributions "this token or not" (binary KL, KPop);
+`seq_max_absk1`, |log r| of a sequence's worst token against a ratio bound u (any token outside
+[1/u, u] drops the whole sequence: an outlier-sequence mask).
+
 Keys, value syntax and semantics follow verl 0.9.1's `algorithm.rollout_correction` (the parity
 tests compare every function here with verl's on float64 inputs). One deliberate difference: the
 batch normaliser of `rollout_is_batch_normalize` is the mean over exactly one MINI-BATCH, across
@@ -37,6 +44,8 @@ IS_LEVELS = ("token", "sequence")
 LOSS_TYPES = ("ppo_clip", "reinforce")
 RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
               "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
+# Ballast's extensions (see the module docstring); same threshold rules: absk1 takes a ratio u.
+RS_EXTENSIONS = ("token_tv", "seq_max_tv", "token_bkl", "seq_max_bkl", "seq_max_absk1")
 KEY = "algorithm.rollout_correction"
 
 
@@ -64,7 +73,8 @@ class RejectionCriterion:
 
     @property
     def statistic(self) -> str:
-        return self.option[-2:]
+        """"k1", "k2", "k3", "tv", "bkl" or "absk1"."""
+        return self.option.rsplit("_", 1)[-1]
 
     @property
     def aggregate(self) -> str:
@@ -140,8 +150,9 @@ def parse_rs_options(spec, key: str = f"{KEY}.rollout_rs") -> tuple[str, ...]:
     for option in (part.strip() for part in spec.split(",")):
         if not option:
             continue
-        if option not in RS_OPTIONS:
-            raise ValueError(f"{key}: {option!r} is not one of {', '.join(RS_OPTIONS)}")
+        if option not in RS_OPTIONS + RS_EXTENSIONS:
+            raise ValueError(f"{key}: {option!r} is not one of {', '.join(RS_OPTIONS)} "
+                             f"(or Ballast's {', '.join(RS_EXTENSIONS)})")
         if option not in options:
             options.append(option)
     if not options:
@@ -173,7 +184,7 @@ def _criterion(option: str, text: str, key: str) -> RejectionCriterion:
             upper = float(upper_text)
             lower = float(lower_text) if lower_text is not None else 1.0 / upper
         elif "_" in text:
-            raise ValueError(f"{where}: a k2/k3 option takes one upper bound, not 'lower_upper'")
+            raise ValueError(f"{where}: only k1 options take 'lower_upper'; this one takes one upper bound")
         else:
             upper, lower = float(text), None
     except ZeroDivisionError:
@@ -281,9 +292,18 @@ class CriterionResult:
     keep: torch.Tensor                 # (B, R) bool, over every position (padding included)
 
 
-def _divergences(log_ratio: torch.Tensor) -> dict:
-    safe = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
-    return {"k1": -safe, "k2": 0.5 * safe.square(), "k3": torch.exp(safe) - 1.0 - safe}
+def _divergences(train_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, needed) -> dict:
+    """Per-token statistics (only the `needed` ones)."""
+    safe = (train_log_probs - rollout_log_probs).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    out = {"k1": -safe, "k2": 0.5 * safe.square(), "k3": torch.exp(safe) - 1.0 - safe, "absk1": safe.abs()}
+    if {"tv", "bkl"} & set(needed):
+        lp, lq = train_log_probs.clamp(max=0.0), rollout_log_probs.clamp(max=0.0)
+        p, q = lp.exp(), lq.exp()
+        out["tv"] = (p - q).abs()
+        # log(1 - p) from -expm1(log p), floored: a token of probability ~1 has no "other" mass
+        l1p, l1q = (-torch.expm1(lp)).clamp(min=1e-12).log(), (-torch.expm1(lq)).clamp(min=1e-12).log()
+        out["bkl"] = (q * (lq - lp) + (1.0 - q) * (l1q - l1p)).clamp(min=0.0)  # KL(Bern(q) || Bern(p))
+    return out
 
 
 def _sequence_max(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -291,19 +311,27 @@ def _sequence_max(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isinf(top) & (top < 0), torch.zeros_like(top), top)
 
 
+def bounds(c: RejectionCriterion) -> tuple[float, float]:
+    """(lower, upper) on the statistic's own scale: logs of the ratio bounds for k1 and absk1."""
+    if c.statistic == "k1":
+        return math.log(c.lower), math.log(c.upper)
+    return 0.0, math.log(c.upper) if c.statistic == "absk1" else c.upper
+
+
 def _inside(stat: torch.Tensor, c: RejectionCriterion) -> torch.Tensor:
+    lower, upper = bounds(c)
     if c.statistic == "k1":  # ratio bounds, compared in log space
-        return (stat >= math.log(c.lower)) & (stat <= math.log(c.upper))
-    return stat <= c.upper
+        return (stat >= lower) & (stat <= upper)
+    return stat <= upper
 
 
-def rejection(log_ratio: torch.Tensor, mask: torch.Tensor, criteria: Sequence[RejectionCriterion]
-              ) -> tuple[torch.Tensor, list[CriterionResult]]:
-    """(keep mask (B, R) in the log-ratio's dtype: 1 where every criterion passes, over all
+def rejection(train_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor,
+              criteria: Sequence[RejectionCriterion]) -> tuple[torch.Tensor, list[CriterionResult]]:
+    """(keep mask (B, R) in the log-probs' dtype: 1 where every criterion passes, over all
     positions; per-criterion results for the metrics)."""
-    mask = mask.to(log_ratio.dtype)
-    token = _divergences(log_ratio)
-    keep = torch.ones_like(log_ratio)
+    mask = mask.to(train_log_probs.dtype)
+    token = _divergences(train_log_probs, rollout_log_probs, [c.statistic for c in criteria])
+    keep = torch.ones_like(train_log_probs)
     results = []
     for c in criteria:
         per_token, seq = token[c.statistic], None
@@ -314,9 +342,9 @@ def rejection(log_ratio: torch.Tensor, mask: torch.Tensor, criteria: Sequence[Re
         elif c.aggregate == "max":
             seq = _sequence_max(per_token, mask)
         if seq is not None:
-            per_token = seq.unsqueeze(-1).expand_as(log_ratio)
+            per_token = seq.unsqueeze(-1).expand_as(train_log_probs)
         passed = _inside(per_token, c)
-        keep = keep * passed.to(log_ratio.dtype)
+        keep = keep * passed.to(train_log_probs.dtype)
         results.append(CriterionResult(c, per_token, seq, passed))
     return keep, results
 
@@ -342,6 +370,7 @@ def correct(train_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask
                          f"mask shape {tuple(mask.shape)} differ")
     log_ratio = train_log_probs - rollout_log_probs
     weights = is_weights(log_ratio, mask, corr) if corr.rollout_is is not None else None
-    keep, results = (None, []) if not corr.rejection else rejection(log_ratio, mask, corr.rejection)
+    keep, results = (None, []) if not corr.rejection else rejection(train_log_probs, rollout_log_probs, mask,
+                                                                    corr.rejection)
     new_mask = mask if keep is None else (mask * keep).to(mask.dtype)
     return Correction(weights, new_mask, keep, tuple(results))

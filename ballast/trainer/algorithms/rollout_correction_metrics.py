@@ -25,7 +25,7 @@ from typing import Dict, Sequence
 import torch
 
 from ballast.trainer.algorithms.rollout_correction import (SAFETY_BOUND, Correction, CriterionResult, ISWeights,
-                                                           RolloutCorrection, masked_mean, masked_sum)
+                                                           RolloutCorrection, bounds, masked_mean, masked_sum)
 
 PREFIX = "rollout_corr/"
 
@@ -115,8 +115,7 @@ def is_metrics(w: ISWeights, mask: torch.Tensor, corr: RolloutCorrection) -> Dic
 def _criterion_metrics(r: CriterionResult, mask: torch.Tensor) -> Dict[str, float]:
     c, stat = r.criterion, r.token_stat
     k1 = c.statistic == "k1"
-    upper = math.log(c.upper) if k1 else c.upper
-    lower = math.log(c.lower) if k1 else 0.0
+    lower, upper = bounds(c)
     prefix = f"rollout_rs_{c.option}"
     valid_seq = mask.sum(-1) > 0
     seq_values = (r.seq_stat if r.seq_stat is not None else masked_mean(stat, mask, -1))[valid_seq]

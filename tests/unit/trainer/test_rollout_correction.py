@@ -16,6 +16,7 @@ from ballast.protocol import Batch
 from ballast.trainer.algorithms.policy_loss import ActorLossConfig, make_actor_loss
 from ballast.trainer.algorithms.rollout_correction import (correct, normaliser, normaliser_terms,
                                                            parse_rollout_correction)
+from ballast.trainer.algorithms.rollout_correction_metrics import correction_metrics
 from ballast.trainer.algorithms.rollout_correction_presets import PRESETS
 from ballast.trainer.config import load_config
 from ballast.trainer.config.loader import CONFIG_DIR, ConfigError
@@ -189,3 +190,25 @@ def test_normalised_loss_over_micro_batch_shares_equals_the_whole_mini_batch(agg
         dict(zip(stat.keys, stat({"log_probs": log_prob[c].detach()}, batch.tensors[c])))))[0]
         for c in [slice(0, 3), slice(3, 4), slice(4, B)])
     assert abs(float(local.detach()) - float(whole.detach())) > 1e-4
+
+
+def test_ballast_extension_masks_on_a_hand_example():
+    """token_tv, token_bkl (Bernoulli KL of the sampled token), seq_max_absk1 (an outlier sequence)."""
+    train = torch.log(torch.tensor([[0.5, 0.5, 0.3], [0.6, 0.7, 0.1]], dtype=torch.float64))
+    rollout = torch.log(torch.tensor([[0.2, 0.5, 0.1], [0.4, 1.0, 0.1]], dtype=torch.float64))
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    corr = parse_rollout_correction(rollout_rs="token_tv", rollout_rs_threshold=0.25)
+    torch.testing.assert_close(correct(train, rollout, mask, corr).mask, torch.tensor([[0, 1, 1], [1, 0, 0]]))
+    bkl = 0.2 * np.log(0.2 / 0.5) + 0.8 * np.log(0.8 / 0.5)  # KL(Bern(0.2) || Bern(0.5)) = 0.1927
+    for threshold, kept in ((bkl - 1e-6, 0), (bkl + 1e-6, 1)):
+        corr = parse_rollout_correction(rollout_rs="token_bkl", rollout_rs_threshold=threshold)
+        assert int(correct(train, rollout, mask, corr).mask[0, 0]) == kept
+    # ratios 2.5, 1, 3 in row 0 (|log 3| > log 2: the whole row goes); 1.5, 0.7 in row 1 stay
+    corr = parse_rollout_correction(rollout_rs="seq_max_absk1", rollout_rs_threshold=2.0)
+    c = correct(train, rollout, mask, corr)
+    torch.testing.assert_close(c.mask, torch.tensor([[0, 0, 0], [1, 1, 0]]))
+    metrics = correction_metrics(train, rollout, mask, corr, c)
+    assert metrics["rollout_corr/rollout_rs_seq_max_absk1_seq_masked_fraction"] == 0.5
+    assert metrics["rollout_corr/rollout_rs_seq_max_absk1_max"] == pytest.approx(np.log(3.0))
+    with pytest.raises(ValueError, match="rollout_rs_threshold"):
+        parse_rollout_correction(rollout_rs="token_tv", rollout_rs_threshold="0.1_0.2")
