@@ -122,6 +122,7 @@ def main() -> None:
     p.add_argument("--preset", default="decoupled_token_is")
     p.add_argument("--log-dir", default=os.path.join(ROOT, "outputs", "rollout_correction_mismatch"))
     p.add_argument("--json")
+    p.add_argument("--resume", action="store_true", help="skip the runs --json already holds (exit code 0)")
     args = p.parse_args()
     if args.model_dir is None:
         from ballast.models.from_gguf import real_model_dir
@@ -136,8 +137,13 @@ def main() -> None:
                                      lo=2, hi=40, b_lo=2, b_hi=9)
     os.makedirs(args.log_dir, exist_ok=True)
     results: List[Dict] = []
+    if args.resume and args.json and os.path.exists(args.json):  # keep the completed runs of an interrupted sweep
+        results = [r for r in json.load(open(args.json))["results"] if r["exit_code"] == 0]
+    done = {(r["variant"], r["seed"]) for r in results}
     for seed in (int(s) for s in args.seeds.split(",")):
         for name in args.variants.split(","):
+            if (name, seed) in done:
+                continue
             results.append(run(name, seed, args, args.log_dir))
             print(json.dumps({k: results[-1][k] for k in ("variant", "seed", "exit_code", "val_final",
                                                           "rollout_corr_k3_kl", "s_per_step")}), flush=True)
