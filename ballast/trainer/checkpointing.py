@@ -228,7 +228,7 @@ def read_marker(root: str):
         return None, f"{marker} is unreadable ({err.strerror})"
     if not text:
         return None, f"{marker} is empty"
-    if not text.isdigit():
+    if not (text.isascii() and text.isdigit()):  # str.isdigit() also takes '²' (int() fails) and other scripts' digits
         return None, f"{marker} holds {text[:20]!r}, not a step number"
     return int(text), None
 

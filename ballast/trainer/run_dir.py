@@ -42,10 +42,18 @@ class RunDirLock:
 
 
 def lock_run_dir(run_dir: str) -> RunDirLock:
-    """Lock `run_dir` (created if needed) for this process, or raise `RunDirError` naming the holder."""
-    os.makedirs(run_dir, exist_ok=True)
-    path = os.path.join(run_dir, LOCK_FILE)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    """Lock `run_dir` (created if needed) for this process, or raise `RunDirError` naming the holder,
+    or naming why the directory cannot hold a run (a file, a path under a file, not writable)."""
+    try:
+        if os.path.exists(run_dir) and not os.path.isdir(run_dir):
+            raise NotADirectoryError("it is a file, not a directory")
+        os.makedirs(run_dir, exist_ok=True)
+        fd = os.open(os.path.join(run_dir, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except (OSError, ValueError) as err:  # ValueError: a NUL byte in the path
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        where = f" ({err.filename})" if isinstance(err, OSError) and err.filename else ""
+        raise RunDirError(f"trainer.default_local_dir={run_dir!r} cannot hold a run: {reason}{where}; point "
+                          "trainer.default_local_dir at a writable directory") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -41,6 +41,8 @@ def _marker(root, text):
 @pytest.mark.parametrize("marker, problem", [
     ("2", None),
     ("x7\n", r"holds 'x7', not a step number"),
+    ("\u00b2", r"holds '\u00b2', not a step number"),  # str.isdigit() accepts a superscript two, int() does not
+    ("\u0661", r"holds '\u0661', not a step number"),  # an Arabic-Indic one: int() reads it, Ballast never writes it
     ("", r"is empty"),
     (None, r"is missing"),
     ("9", r"names step 9, but .*global_step_9 does not exist"),

@@ -3,6 +3,7 @@ and host), the lock dies with its process (kill -9 included), and a fresh start 
 is refused unless the old run is explicitly moved aside."""
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -84,3 +85,33 @@ def test_move_old_run_aside_keeps_it_whole_in_a_sibling_directory(tmp_path):
     assert os.listdir(run_dir) == [LOCK_FILE] and run_contents(run_dir) == []
     _old_run(run_dir)
     assert check_fresh_start(run_dir, "disable", None, True) not in (moved, None)
+
+
+def _unwritable_dir(tmp_path):
+    """A directory this process cannot write into: read-only for a normal user; root writes anywhere on
+    an ordinary file system, so for root a directory of the kernel's read-only sysfs."""
+    if os.geteuid() == 0:
+        return "/sys/kernel"
+    path = tmp_path / "read_only"
+    path.mkdir()
+    path.chmod(0o555)
+    return str(path)
+
+
+@pytest.mark.parametrize("kind", ["a file", "under a file", "read-only", "a NUL byte"])
+def test_unusable_run_directory_is_exit_2_naming_the_setting(tmp_path, kind):
+    from ballast.trainer.main import EXIT_BAD_INPUT, failure
+
+    (tmp_path / "file").write_text("not a directory")
+    run_dir = {"a file": str(tmp_path / "file"), "under a file": str(tmp_path / "file" / "run"),
+               "read-only": _unwritable_dir(tmp_path), "a NUL byte": str(tmp_path / "bad\0name")}[kind]
+    reason = {"a file": r"it is a file, not a directory", "under a file": r"Not a directory",
+              "read-only": r"(Permission denied|Read-only file system|Operation not permitted)",
+              "a NUL byte": r"embedded null byte"}[kind]
+    with pytest.raises(RunDirError, match=rf"trainer\.default_local_dir={re.escape(repr(run_dir))} cannot hold a run: "
+                                          rf".*{reason}.*; point trainer\.default_local_dir at a writable directory"
+                       ) as info:
+        lock_run_dir(run_dir)
+    code, line = failure(info.value)
+    assert code == EXIT_BAD_INPUT and line.startswith("run directory: trainer.default_local_dir=")
+    assert (tmp_path / "file").read_text() == "not a directory"
