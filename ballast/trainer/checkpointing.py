@@ -24,6 +24,7 @@ import random
 import re
 import shutil
 import sys
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
 import numpy as np
@@ -37,6 +38,25 @@ _HASH_CHUNK_BYTES = 8 << 20
 
 class CheckpointError(ValueError):
     """A checkpoint could not be written (disk full, ...) or read back (damaged, incomplete)."""
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a run starts: `trainer.resume_mode` resolved before Ray starts (`ballast.trainer.preflight`).
+
+    `checkpoint` is a complete `global_step_<k>` directory that matched its checksums and `step` the step
+    it holds; a fresh start is `ResumePoint()` (no checkpoint, step 0). The trainer loads it through
+    `RayPPOTrainer.resume` and never reads `resume_mode` or the marker file itself.
+    """
+
+    checkpoint: Optional[str] = None
+    step: int = 0
+
+    @property
+    def fresh(self) -> bool:
+        return self.checkpoint is None
+
+
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 
 
@@ -259,7 +279,7 @@ def choose_checkpoint(root: str, verify: bool = True):
         if bad is None:
             return path, warnings + [f"resuming from {path}, the newest complete checkpoint"]
         warnings.append(f"skipping {path}: {bad}")
-    return None, warnings + [f"no complete checkpoint in {root!r}: starting from step 0"]
+    return None, warnings + [f"no complete checkpoint in {root!r}"]
 
 
 def _check(path: str, verify: bool) -> Optional[str]:

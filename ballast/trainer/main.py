@@ -30,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ballast.models.weights_check import ModelFilesError, check_model_files
 from ballast.trainer import signals
+from ballast.trainer.checkpointing import ResumePoint
 from ballast.trainer.config import BallastConfig, ConfigError, ModelInfo, check_config, to_typed
 from ballast.trainer.config.gpu_memory import check_rollout_gpu_memory_at_start
 
@@ -96,8 +97,11 @@ def prepare_typed(cfg: BallastConfig):
 
 
 @contextlib.contextmanager
-def training_session(cfg: BallastConfig, sizes, raw_config: Optional[dict] = None):
-    """Data, Ray, workers and trackers for one run; yields the `RayPPOTrainer` and cleans up after."""
+def training_session(cfg: BallastConfig, sizes, raw_config: Optional[dict] = None,
+                     resume: Optional[ResumePoint] = None):
+    """Data, Ray, workers and trackers for one run; yields the `RayPPOTrainer`, already at `resume`
+    (default: `trainer.resume_mode` resolved here, without the run-directory checks of the command
+    line), and cleans up after."""
     import ray
     import torch
     from tqdm import tqdm
@@ -105,6 +109,7 @@ def training_session(cfg: BallastConfig, sizes, raw_config: Optional[dict] = Non
     from ballast.models import load_tokenizer
     from ballast.trainer.builders import overlong_buffer, worker_specs
     from ballast.trainer.data_setup import RunData
+    from ballast.trainer.preflight import resume_point
     from ballast.trainer.ray_trainer import RayPPOTrainer
     from ballast.trainer.reward import RewardManager
     from ballast.trainer.roles import create_workers
@@ -137,7 +142,9 @@ def training_session(cfg: BallastConfig, sizes, raw_config: Optional[dict] = Non
         record_workers(workers, cfg.trainer.default_local_dir)
         with open(os.path.join(arr.model.path, "config.json")) as f:
             model_config = json.load(f)
-        yield RayPPOTrainer(cfg, sizes, data, workers, reward, tracker, model_config)
+        trainer = RayPPOTrainer(cfg, sizes, data, workers, reward, tracker, model_config)
+        trainer.resume(resume if resume is not None else resume_point(cfg.trainer))
+        yield trainer
     finally:
         tracker.finish()
         if workers is not None:
@@ -147,9 +154,9 @@ def training_session(cfg: BallastConfig, sizes, raw_config: Optional[dict] = Non
             remove_ray_dir(ray_dir)
 
 
-def run(cfg: BallastConfig, sizes, raw_config: Optional[dict] = None) -> dict:
-    """Train; returns the last step's metrics."""
-    with training_session(cfg, sizes, raw_config) as trainer:
+def run(cfg: BallastConfig, sizes, raw_config: Optional[dict] = None, resume: Optional[ResumePoint] = None) -> dict:
+    """Train from `resume` (see `training_session`); returns the last step's metrics."""
+    with training_session(cfg, sizes, raw_config, resume) as trainer:
         return trainer.fit()
 
 
@@ -302,8 +309,8 @@ def cli_run(raw: DictConfig, exiting: bool = False) -> int:
     signals.install(save_first=bool(OmegaConf.select(raw, "trainer.save_on_signal", default=False)))
     try:
         cfg, sizes = prepare(raw)
-        cfg, lock = claim_run_dir(cfg)
-        run(cfg, sizes, OmegaConf.to_container(raw, resolve=True))
+        point, lock = claim_run_dir(cfg)
+        run(cfg, sizes, OmegaConf.to_container(raw, resolve=True), point)
         return 0
     except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM (signals.Terminated, or Ray's re-raise of it)
         if signals.was_terminated(err):

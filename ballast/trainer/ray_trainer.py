@@ -41,7 +41,7 @@ from ballast.trainer.algorithms import get_adv_estimator, kl_penalty, make_kl_co
 from ballast.trainer.algorithms.policy_loss import actor_constant_metrics
 from ballast.trainer.builders import actor_loss_config
 from ballast.trainer.charts import per_rank_tokens
-from ballast.trainer.checkpointing import CheckpointManager, rng_state, set_rng_state
+from ballast.trainer.checkpointing import CheckpointManager, ResumePoint, rng_state, set_rng_state
 from ballast.trainer.config import BallastConfig, DerivedSizes
 from ballast.trainer.data_setup import RunData
 from ballast.trainer.dynamic_sampling import count_groups, filter_metric_values, informative_groups, sampling_metrics
@@ -97,12 +97,11 @@ class RayPPOTrainer:
         self._weight_sync_s = 0.0
         self.monitor = BalanceMonitor(tracker, self.total_steps, cfg.trainer.enable_monitor,
                                       cfg.trainer.monitor_interval, sizes.actor.token_budget(sizes.actor.train))
-        self._resumed_from: Optional[str] = None
-        self._resume_checked = False
+        self.resumed_from: Optional[str] = None  # the checkpoint `resume` loaded
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> Dict[str, float]:
-        self.resume()
+        """Train from `global_step` (0, or where `resume` left it) to the last step."""
         self.tracker.rewind(self.global_step)
         t = self.cfg.trainer
         last: Dict[str, float] = {}
@@ -369,34 +368,24 @@ class RayPPOTrainer:
                  "nonfinite_in_a_row": self._nonfinite_in_a_row}
         return self.ckpt.save(self.global_step, save_workers, state)
 
-    def resume(self) -> Optional[str]:
-        """Load the checkpoint `trainer.resume_mode` points at (once); returns its path or None."""
-        if self._resume_checked:
-            return self._resumed_from
-        self._resume_checked = True
-        t = self.cfg.trainer
-        if t.resume_mode == "disable":
+    def resume(self, point: ResumePoint) -> Optional[str]:
+        """Load `point` (resolved and verified before Ray started, see `ballast.trainer.preflight`): the
+        workers' state and the driver's. Returns the checkpoint loaded, None for a fresh start."""
+        if point.fresh:
             return None
-        if t.resume_mode == "auto":
-            path = self.ckpt.latest()
-        elif t.resume_mode == "resume_path":
-            path = t.resume_from_path
-        else:
-            path = t.resume_mode
-        if path is None:
-            return None
-        state = CheckpointManager.read_state(path)
-        self.workers.actor_rollout.load_checkpoint(path)
+        state = CheckpointManager.read_state(point.checkpoint)
+        assert int(state["global_step"]) == point.step, (point, state["global_step"])  # resolved from this file
+        self.workers.actor_rollout.load_checkpoint(point.checkpoint)
         if self.workers.critic is not None:
-            self.workers.critic.load_checkpoint(path)
-        self.global_step = int(state["global_step"])
+            self.workers.critic.load_checkpoint(point.checkpoint)
+        self.global_step = point.step
         self.data.load_state_dict(state["dataloader"])
         self.kl_ctrl.value = float(state["kl_coef"])
         self._nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
         set_rng_state(state["rng"])
-        print(f"ballast: resumed from {path} at step {self.global_step}")
-        self._resumed_from = path
-        return path
+        print(f"ballast: resumed from {point.checkpoint} at step {self.global_step}")
+        self.resumed_from = point.checkpoint
+        return point.checkpoint
 
 
 def _extra_means(extras: Dict[str, np.ndarray]) -> Dict[str, float]:

@@ -7,9 +7,10 @@ when the process ends however it ends (kill -9 included), so a crashed run never
 The holder's pid, host and start time are written into the lock file so that the refused run can say
 who holds it.
 
-`check_fresh_start` refuses to start a new run (`resume_mode=disable`, or resuming from a checkpoint
-outside the directory) in a directory that already holds a run, unless `trainer.move_old_run_aside`
-asks to move the old run to a sibling directory first.
+`check_fresh_start` refuses to start a new run (`resume_mode=disable`, `auto` without a complete
+checkpoint to continue from, or resuming from a checkpoint outside the directory) in a directory that
+already holds a run, unless `trainer.move_old_run_aside` asks to move the old run to a sibling
+directory first.
 """
 
 from __future__ import annotations
@@ -88,37 +89,37 @@ def run_contents(run_dir: str) -> List[str]:
     return found
 
 
-def starts_fresh_here(resume_mode: str, resume_from_path: Optional[str], run_dir: str) -> bool:
-    """Whether a run with this resume setting starts a history of its own in `run_dir` (rather than
-    continuing the run the directory holds)."""
-    if resume_mode == "auto":
-        return False
-    if resume_mode == "disable":
+def starts_fresh_here(continues_from: Optional[str], run_dir: str) -> bool:
+    """Whether a run that loads checkpoint `continues_from` (None: none) starts a history of its own in
+    `run_dir`, rather than continuing the run the directory holds."""
+    if continues_from is None:
         return True
-    source = resume_from_path if resume_mode == "resume_path" else resume_mode
-    source = os.path.abspath(os.path.expanduser(source or ""))
+    source = os.path.abspath(os.path.expanduser(continues_from))
     return os.path.dirname(source.rstrip(os.sep)) != os.path.abspath(run_dir).rstrip(os.sep)
 
 
-def check_fresh_start(run_dir: str, resume_mode: str, resume_from_path: Optional[str],
+def check_fresh_start(run_dir: str, resume_mode: str, continues_from: Optional[str],
                       move_old_run_aside: bool) -> Optional[str]:
     """Refuse a fresh start on top of an existing run, or move that run aside when asked.
 
-    Returns the directory the old run was moved to, or None when nothing was moved. Call it while
-    holding the run directory's lock.
+    `continues_from` is the checkpoint the run will load (None: none), `resume_mode` what the user
+    wrote (for the message). Returns the directory the old run was moved to, or None when nothing was
+    moved. Call it while holding the run directory's lock.
     """
-    if not starts_fresh_here(resume_mode, resume_from_path, run_dir):
+    if not starts_fresh_here(continues_from, run_dir):
         return None
     found = run_contents(run_dir)
     if not found:
         return None
     if not move_old_run_aside:
         shown = ", ".join(found[:6]) + (", ..." if len(found) > 6 else "")
+        auto = resume_mode == "auto"  # it found nothing to continue from
         raise RunDirError(
-            f"trainer.default_local_dir={run_dir!r} already holds a run ({shown}) and "
+            f"trainer.default_local_dir={run_dir!r} already holds a run ({shown})"
+            f"{' but no complete checkpoint to continue it from,' if auto else ''} and "
             f"trainer.resume_mode={resume_mode!r} would start a new one on top of it; use a new "
-            "trainer.default_local_dir, continue the old run with trainer.resume_mode=auto, or set "
-            "trainer.move_old_run_aside=true to move the old run to a sibling directory first"
+            f"trainer.default_local_dir, {'' if auto else 'continue the old run with trainer.resume_mode=auto, '}"
+            "or set trainer.move_old_run_aside=true to move the old run to a sibling directory first"
         )
     return move_run_aside(run_dir)
 

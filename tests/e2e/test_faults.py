@@ -16,6 +16,7 @@ import pytest
 from ballast.single_controller import Dispatch, Worker, register
 from ballast.trainer.config import derive_sizes, load_config
 from ballast.trainer.main import EXIT_WORKER_FAILED
+from ballast.trainer.preflight import resume_point
 from ballast.trainer.ray_trainer import NonFiniteStepsError, RayPPOTrainer
 from ballast.workers.train_loop import UpdateResult
 
@@ -73,7 +74,7 @@ def test_nonfinite_streak_survives_a_checkpoint(tmp_path):
     path = trainer.save_checkpoint()
     assert json.load(open(os.path.join(path, "trainer_state.json")))["nonfinite_in_a_row"] == 2
     resumed = _driver(tmp_path, [1.0], 3, "trainer.resume_mode=auto")
-    assert resumed.resume() == path and resumed.global_step == 2
+    assert resumed.resume(resume_point(resumed.cfg.trainer)) == path and resumed.global_step == 2
     with pytest.raises(NonFiniteStepsError):  # the streak continues: a third skipped update in a row
         resumed.update_actor(batch=None)
 

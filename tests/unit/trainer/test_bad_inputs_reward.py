@@ -91,12 +91,12 @@ def test_reward_error_names_the_step_and_dataset_row_and_keeps_the_users_traceba
         RewardManager(tokenizer, broken)(_indexed_batch(), step=7)
     assert isinstance(info.value.__cause__, TypeError)
 
-    def raising_run(cfg, sizes, raw_config=None):
+    def raising_run(cfg, sizes, raw_config=None, resume=None):
         raise info.value
 
     monkeypatch.setattr(main, "prepare", lambda raw: (None, None))
     monkeypatch.setattr(main, "run", raising_run)
-    monkeypatch.setattr(preflight, "claim_run_dir", lambda cfg: (cfg, None))
+    monkeypatch.setattr(preflight, "claim_run_dir", lambda cfg: (None, None))
     code = main.cli_run(OmegaConf.create({}))
     err = capsys.readouterr().err
     assert code == EXIT_BAD_INPUT

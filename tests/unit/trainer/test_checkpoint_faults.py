@@ -9,13 +9,14 @@ import json
 import os
 import shutil
 from collections import namedtuple
+from types import SimpleNamespace
 
 import pytest
 
 from ballast.trainer import checkpointing
 from ballast.trainer.checkpointing import CHECKSUMS, CheckpointError, CheckpointManager, choose_checkpoint
 from ballast.trainer.main import EXIT_BAD_INPUT, failure
-from ballast.trainer.preflight import resolve_resume
+from ballast.trainer.preflight import resume_point
 
 
 def _writer(content):
@@ -31,6 +32,11 @@ def _two_checkpoints(root):
     mgr.save(1, _writer("one"), {})
     mgr.save(2, _writer("two"), {})
     return mgr
+
+
+def _trainer(run_dir, resume_mode, resume_from_path=None):
+    """The `trainer` settings `resume_point` reads."""
+    return SimpleNamespace(default_local_dir=str(run_dir), resume_mode=resume_mode, resume_from_path=resume_from_path)
 
 
 def _marker(root, text):
@@ -69,7 +75,7 @@ def test_new_directory_is_a_silent_fresh_start_and_a_bad_marker_alone_is_a_warne
     assert choose_checkpoint(str(tmp_path / "nothing")) == (None, [])
     _marker(tmp_path, "garbage")
     path, warnings = choose_checkpoint(str(tmp_path))
-    assert path is None and "not a step number" in warnings[0] and "starting from step 0" in warnings[-1]
+    assert path is None and "not a step number" in warnings[0] and warnings[-1] == f"no complete checkpoint in {str(tmp_path)!r}"
 
 
 def test_truncated_shard_of_the_newest_checkpoint_falls_back_to_the_intact_one(tmp_path, capsys):
@@ -79,8 +85,8 @@ def test_truncated_shard_of_the_newest_checkpoint_falls_back_to_the_intact_one(t
     assert manifest["actor/shard_0.distcp"]["bytes"] == 300 and len(manifest["actor/shard_0.distcp"]["sha256"]) == 64
     with open(shard, "r+") as f:
         f.truncate(120)
-    path = resolve_resume(str(tmp_path), "auto", None)
-    assert path == mgr.step_dir(1)
+    point = resume_point(_trainer(tmp_path, "auto"))
+    assert point.checkpoint == mgr.step_dir(1) and point.step == 1
     err = capsys.readouterr().err
     assert f"{shard} has 120 bytes, 300 when saved (truncated or overwritten)" in err
     assert f"resuming from {mgr.step_dir(1)}, the newest complete checkpoint" in err
@@ -94,7 +100,7 @@ def test_truncated_shard_of_the_newest_checkpoint_falls_back_to_the_intact_one(t
     mgr.save(3, _writer("three"), {})
     with pytest.raises(CheckpointError, match=rf"cannot resume from '{mgr.step_dir(2)}': {shard} has 120 bytes.*"
                                               rf"newest intact checkpoint beside it is '{mgr.step_dir(3)}'") as info:
-        resolve_resume(str(tmp_path), "resume_path", mgr.step_dir(2))
+        resume_point(_trainer(tmp_path, "resume_path", mgr.step_dir(2)))
     code, line = failure(info.value)
     assert code == EXIT_BAD_INPUT and line.startswith("checkpoint: cannot resume from")
 

@@ -63,12 +63,15 @@ def test_fresh_start_on_top_of_an_old_run_is_refused_with_the_ways_out(tmp_path)
                                           r"trainer\.default_local_dir.*resume_mode=auto.*move_old_run_aside=true"):
         check_fresh_start(run_dir, "disable", None, move_old_run_aside=False)
     assert open(os.path.join(run_dir, "metrics.jsonl")).read().count("step") == 2  # untouched
-    # resuming the run the directory holds is not a fresh start; resuming another directory's checkpoint is
-    assert check_fresh_start(run_dir, "auto", None, False) is None
-    assert not starts_fresh_here("resume_path", os.path.join(run_dir, "global_step_2"), run_dir)
-    assert not starts_fresh_here(os.path.join(run_dir, "global_step_2") + "/", None, run_dir)
+    # continuing from a checkpoint of the directory is not a fresh start; from another directory's it is
+    assert check_fresh_start(run_dir, "auto", os.path.join(run_dir, "global_step_2"), False) is None
+    assert not starts_fresh_here(os.path.join(run_dir, "global_step_2"), run_dir)
+    assert not starts_fresh_here(os.path.join(run_dir, "global_step_2") + "/", run_dir)
+    assert starts_fresh_here(None, run_dir)
     with pytest.raises(RunDirError, match="would start a new one"):
         check_fresh_start(run_dir, "resume_path", str(tmp_path / "other" / "global_step_5"), False)
+    with pytest.raises(RunDirError, match="but no complete checkpoint to continue it from, and trainer.resume_mode='auto'"):
+        check_fresh_start(run_dir, "auto", None, False)  # auto found nothing to continue from
     # a new or empty directory is fine
     assert check_fresh_start(str(tmp_path / "new"), "disable", None, False) is None
 
