@@ -92,8 +92,11 @@ class _TimedCaller:
 
 class RewardManager:
     def __init__(self, tokenizer, compute_score: Optional[Callable] = None, reward_fn_key: str = "data_source",
-                 overlong: Optional[OverlongBuffer] = None, timeout_s: Optional[float] = None):
+                 overlong: Optional[OverlongBuffer] = None, timeout_s: Optional[float] = None,
+                 name: Optional[str] = None):
+        """`name`: how messages call the score function (a custom one: its name and file)."""
         self.tokenizer = tokenizer
+        self.fn_name = f"reward function {name}" if name else "reward function"
         self.compute_score = compute_score or default_compute_score
         self.reward_fn_key = reward_fn_key
         self.overlong = overlong
@@ -105,7 +108,7 @@ class RewardManager:
                     overlong: Optional[OverlongBuffer] = None,
                     timeout_s: Optional[float] = None) -> "RewardManager":
         fn = load_custom_reward_fn(path, name) if path else None
-        return cls(tokenizer, fn, reward_fn_key, overlong, timeout_s)
+        return cls(tokenizer, fn, reward_fn_key, overlong, timeout_s, name=f"{name!r} in {str(path)!r}" if path else None)
 
     def __call__(self, batch: Batch, step: Optional[int] = None) -> Tuple[torch.Tensor, Dict[str, np.ndarray]]:
         """(token_level_scores (B, R) float32, extra per-sample values returned by the score function).
@@ -127,15 +130,15 @@ class RewardManager:
                 raw = self._call(self.compute_score, sources[i], text, truths[i], extra_infos[i])
             except TimeoutError:
                 raise RewardTimeoutError(
-                    f"reward function did not return within reward.timeout_s={self.timeout_s:g}s on {where}; "
+                    f"{self.fn_name} did not return within reward.timeout_s={self.timeout_s:g}s on {where}; "
                     "fix the function or raise reward.timeout_s"
                 ) from None
             except Exception as err:
-                raise RewardFunctionError(f"reward function failed on {where}: {type(err).__name__}: {err}") from err
+                raise RewardFunctionError(f"{self.fn_name} failed on {where}: {type(err).__name__}: {err}") from err
             try:
                 result = validate_score(raw, index=i, data_source=str(sources[i]))
             except ValueError as err:
-                raise RewardFunctionError(f"{err} ({where})") from None
+                raise RewardFunctionError(f"{self.fn_name} returned an unusable result on {where}: {err}") from None
             score = result["score"]
             if self.overlong is not None:
                 penalty = self.overlong.penalty(length)

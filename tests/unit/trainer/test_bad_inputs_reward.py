@@ -128,3 +128,18 @@ def test_reward_function_that_never_returns_stops_after_the_timeout(tokenizer):
     assert scores[:, 2].tolist() == [0.5, 0.5, 0.5]
     inline = RewardManager(tokenizer, lambda *a: threading.current_thread() is threading.main_thread() and 1.0)
     assert inline(_batch())[0][:, 2].tolist() == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("body, fragment", [
+    ("return '1.0'", r"returned an unusable result on step 4, batch position 0 \(data_source 'src/a'\): reward for "
+                     r"row 0 \(data_source 'src/a'\) must be a finite number, got str '1\.0'"),
+    ("return 1 / 0", r"failed on step 4, batch position 0 \(data_source 'src/a'\): ZeroDivisionError"),
+], ids=["returns a string", "raises"])
+def test_custom_reward_function_errors_name_its_file_and_function(tokenizer, tmp_path, body, fragment):
+    path = tmp_path / "my_reward.py"
+    path.write_text(f"def my_score(data_source, solution_str, ground_truth, extra_info=None):\n    {body}\n")
+    manager = RewardManager.from_config(tokenizer, str(path), "my_score", "data_source")
+    with pytest.raises(RewardFunctionError, match=rf"^reward function 'my_score' in '{path}' {fragment}") as info:
+        manager(_batch(), step=4)
+    code, line = failure(info.value)
+    assert code == EXIT_BAD_INPUT and line.startswith(f"reward function: reward function 'my_score' in '{path}' ")
