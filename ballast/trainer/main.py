@@ -18,11 +18,8 @@ import dataclasses
 import json
 import os
 import random
-import shutil
-import socket
 import sys
-import time
-from typing import Optional, Tuple
+from typing import TYPE_CHECKING, Optional, Tuple
 
 import hydra
 import numpy as np
@@ -30,9 +27,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from ballast.models.weights_check import ModelFilesError, check_model_files
 from ballast.trainer import signals
-from ballast.trainer.checkpointing import ResumePoint
 from ballast.trainer.config import BallastConfig, ConfigError, ModelInfo, check_config, to_typed
 from ballast.trainer.config.gpu_memory import check_rollout_gpu_memory_at_start
+from ballast.trainer.ray_session import RaySession, RayUnavailableError, probe_ray_address, start_ray  # noqa: F401
+
+if TYPE_CHECKING:
+    from ballast.trainer.checkpointing import ResumePoint
 
 EXIT_BAD_INPUT = 2
 EXIT_WORKER_FAILED = 3
@@ -43,10 +43,6 @@ WORKERS_FILE = "workers.json"  # rank -> pid, node id and IP of every worker of 
 
 class InputError(ConfigError):
     """Input the config points at (data, tokenizer, reward function) is unusable; found before any worker starts."""
-
-
-class RayUnavailableError(RuntimeError):
-    """Nothing answered at `ray_init.address` within `ray_init.timeout_s`."""
 
 
 def absolute_paths(cfg: BallastConfig) -> BallastConfig:
@@ -101,57 +97,78 @@ def training_session(cfg: BallastConfig, sizes, raw_config: Optional[dict] = Non
                      resume: Optional[ResumePoint] = None):
     """Data, Ray, workers and trackers for one run; yields the `RayPPOTrainer`, already at `resume`
     (default: `trainer.resume_mode` resolved here, without the run-directory checks of the command
-    line), and cleans up after."""
-    import ray
-    import torch
+    line), and cleans up after (`shutdown`), however the block ends."""
     from tqdm import tqdm
 
-    from ballast.models import load_tokenizer
-    from ballast.trainer.builders import overlong_buffer, worker_specs
-    from ballast.trainer.data_setup import RunData
+    from ballast.trainer.builders import worker_specs
     from ballast.trainer.preflight import resume_point
     from ballast.trainer.ray_trainer import RayPPOTrainer
-    from ballast.trainer.reward import RewardManager
     from ballast.trainer.roles import create_workers
     from ballast.trainer.tracking import Tracker
 
-    seed = cfg.trainer.seed
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    arr = cfg.actor_rollout_ref
+    data, reward = _load_inputs(cfg)
+    # Built again now that the step count is known (the optimizer schedule depends on it), before Ray starts.
+    specs = worker_specs(cfg, sizes, data.total_steps)
+    ray_session = tracker = workers = None
     try:
-        tokenizer = load_tokenizer(arr.model.tokenizer_path or arr.model.path)
+        ray_session = start_ray(cfg)
+        signals.reinstall()  # ray.init replaced the command line's handlers
+        tracker = Tracker(cfg.trainer.logger, cfg.trainer.project_name, cfg.trainer.experiment_name,
+                          cfg.trainer.default_local_dir, config=raw_config, console=tqdm.write)
+        print("ballast: derived sizes\n  " + "\n  ".join(sizes.summary()), flush=True)
+        workers = create_workers(cfg, sizes, specs)
+        record_workers(workers, cfg.trainer.default_local_dir)
+        with open(os.path.join(cfg.actor_rollout_ref.model.path, "config.json")) as f:
+            model_config = json.load(f)
+        trainer = RayPPOTrainer(cfg, sizes, data, workers, reward, tracker, model_config)
+        trainer.resume(resume if resume is not None else resume_point(cfg.trainer))
+        yield trainer
+    finally:
+        shutdown(sys.exc_info()[1], tracker, workers, ray_session)
+
+
+def _load_inputs(cfg: BallastConfig):
+    """(RunData, RewardManager), seeded, before Ray starts; unusable input is an `InputError`."""
+    import torch
+
+    from ballast.models import load_tokenizer
+    from ballast.trainer.builders import overlong_buffer
+    from ballast.trainer.data_setup import RunData
+    from ballast.trainer.reward import RewardManager
+
+    random.seed(cfg.trainer.seed)
+    np.random.seed(cfg.trainer.seed)
+    torch.manual_seed(cfg.trainer.seed)
+    model = cfg.actor_rollout_ref.model
+    try:
+        tokenizer = load_tokenizer(model.tokenizer_path or model.path)
         data = RunData(cfg, tokenizer)
         reward = RewardManager.from_config(tokenizer, cfg.custom_reward_function.path,
                                            cfg.custom_reward_function.name, cfg.data.reward_fn_key,
                                            overlong_buffer(cfg), cfg.reward.timeout_s)
     except (ValueError, OSError, ImportError) as err:  # the messages name the file, row or path
         raise InputError(str(err)) from err
-    # Built again now that the step count is known (the optimizer schedule depends on it), before Ray starts.
-    specs = worker_specs(cfg, sizes, data.total_steps)
-    ray_dir = start_ray(cfg)
-    owns_ray = ray_dir is not None
-    signals.reinstall()  # ray.init replaced the command line's handlers
-    workers = None
-    tracker = Tracker(cfg.trainer.logger, cfg.trainer.project_name, cfg.trainer.experiment_name,
-                      cfg.trainer.default_local_dir, config=raw_config, console=tqdm.write)
-    try:
-        print("ballast: derived sizes\n  " + "\n  ".join(sizes.summary()), flush=True)
-        workers = create_workers(cfg, sizes, specs)
-        record_workers(workers, cfg.trainer.default_local_dir)
-        with open(os.path.join(arr.model.path, "config.json")) as f:
-            model_config = json.load(f)
-        trainer = RayPPOTrainer(cfg, sizes, data, workers, reward, tracker, model_config)
-        trainer.resume(resume if resume is not None else resume_point(cfg.trainer))
-        yield trainer
-    finally:
-        tracker.finish()
-        if workers is not None:
-            workers.shutdown()
-        if owns_ray:
-            ray.shutdown()
-            remove_ray_dir(ray_dir)
+    return data, reward
+
+
+def shutdown(err: Optional[BaseException], tracker, workers, ray_session: Optional[RaySession]) -> None:
+    """Finish the trackers, stop the workers and Ray (for a local Ray: every process of it, and its
+    directory), each step even when an earlier one fails. No signal can cut it short; past
+    `signals.SHUTDOWN_DEADLINE_S` what the run started is killed (and the command line exits with the
+    code that `err`, the error that ended the run, earns)."""
+    code, line = outcome(err)
+    kill = ray_session.kill_now if ray_session is not None else (lambda: None)
+    with signals.shutdown_deadline(signals.SHUTDOWN_DEADLINE_S, kill, code, line):
+        try:
+            if tracker is not None:
+                tracker.finish()
+        finally:
+            try:
+                if workers is not None:
+                    workers.shutdown()
+            finally:
+                if ray_session is not None:
+                    ray_session.stop()
 
 
 def run(cfg: BallastConfig, sizes, raw_config: Optional[dict] = None, resume: Optional[ResumePoint] = None) -> dict:
@@ -173,86 +190,6 @@ def record_workers(workers, run_dir: str) -> list:
     print(f"ballast: {len(placed)} workers on {len(ip_of)} node(s): "
           + "; ".join(f"node {node[:8]} ({ip_of[node]}) ranks {ranks}" for node, ranks in ranks_on.items()), flush=True)
     return placed
-
-
-def start_ray(cfg: BallastConfig) -> Optional[str]:
-    """Connect to `ray_init.address` or start a local instance; None if Ray was already initialized,
-    else the temp directory this call's Ray session uses ("" when joining a cluster, whose session
-    directory belongs to the cluster).
-
-    Ray's own token authentication is left on (Ray's default for a new local instance): a local
-    Ray's gRPC ports listen on every interface, and without the token anyone who can reach them can
-    run code. Tests and the quickstart opt out with RAY_AUTH_MODE=disabled.
-    """
-    import logging
-    import tempfile
-
-    import ray
-
-    from ballast.trainer.tracking import verbose_output
-
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    # Worker output goes to the run directory's log files unless BALLAST_VERBOSE asks for it here.
-    quiet = dict(log_to_driver=verbose_output(), logging_level=logging.INFO if verbose_output() else logging.WARNING)
-    r = cfg.ray_init
-    if r.address:
-        probe_ray_address(r.address, r.timeout_s)
-    if ray.is_initialized():
-        return None
-    if r.address:
-        ray.init(address=r.address, **quiet)
-        return ""
-    world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
-    num_cpus = r.num_cpus or max(os.cpu_count() or 1, world)
-    temp_dir = tempfile.mkdtemp(prefix="ray_", dir="/tmp")
-    print(f"ballast: local Ray session in {temp_dir} (removed at exit)", flush=True)
-    # address="local": always a fresh instance, even when RAY_ADDRESS is set by a parent process.
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, dashboard_host=r.dashboard_host,
-             _temp_dir=temp_dir, **quiet)
-    return temp_dir
-
-
-def remove_ray_dir(temp_dir: Optional[str]) -> None:
-    """Delete the session directory of a local Ray this run started (logs, sockets: 1-2 MB a run).
-    Only a directory `start_ray` made, never a cluster's; Ray's processes are gone after shutdown."""
-    if temp_dir and os.path.basename(temp_dir).startswith("ray_") and os.path.dirname(temp_dir) == "/tmp":
-        shutil.rmtree(temp_dir, ignore_errors=True)
-
-
-def _host_port(address: str) -> Tuple[str, int]:
-    target = address.split("://", 1)[-1].rstrip("/")
-    host, sep, port = target.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ConfigError(f"ray_init.address={address!r} must be 'auto', host:port or ray://host:port")
-    return host.strip("[]"), int(port)
-
-
-def probe_ray_address(address: str, timeout_s: float) -> None:
-    """Fail within `timeout_s`, naming the address, when nothing listens there.
-
-    `ray.init(address=...)` on an address where nothing answers keeps retrying for minutes; a TCP
-    connect to the GCS port tells the same thing in milliseconds (or after `timeout_s` when a
-    firewall drops the packets).
-    """
-    if address == "auto":
-        address = os.environ.get("RAY_ADDRESS", "")
-        if not address:
-            return  # Ray resolves "auto" from this machine's session file and fails at once if there is none
-    host, port = _host_port(address)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        remaining = deadline - time.monotonic()
-        try:
-            with socket.create_connection((host, port), timeout=max(0.1, min(remaining, 5.0))):
-                return
-        except OSError as err:
-            if time.monotonic() + 0.5 >= deadline:
-                raise RayUnavailableError(
-                    f"ray_init.address={address!r}: nothing answered at {host}:{port} within {timeout_s:g}s "
-                    f"(ray_init.timeout_s) ({err.strerror or type(err).__name__}); start the head with "
-                    "scripts/ray_cluster.sh head, or fix the address"
-                ) from None
-            time.sleep(0.5)
 
 
 def failure(err: BaseException) -> Tuple[int, str]:
@@ -300,42 +237,55 @@ def _is_remote_exception(err: BaseException) -> bool:
     return type(err) is WorkerError
 
 
+def outcome(err: Optional[BaseException]) -> Tuple[int, str]:
+    """The exit code and last line (without `ballast: `) of a run that `err` ended; (0, "") for none."""
+    if err is None:
+        return 0, ""
+    if isinstance(err, KeyboardInterrupt):  # Ctrl-C, or SIGTERM (signals.Terminated, or Ray's re-raise of it)
+        if signals.was_terminated(err):
+            return signals.EXIT_TERMINATED, "terminated"
+        return signals.EXIT_INTERRUPTED, "interrupted"
+    return failure(err)
+
+
 def cli_run(raw: DictConfig, exiting: bool = False) -> int:
     """Validate and run one composed config; returns the process exit code (see the module docstring).
-    `exiting`: the process exits right after (the command line): late signals are ignored."""
+    `exiting`: the process exits right after (the command line): late signals are ignored, and a
+    shutdown stuck past its deadline ends the process."""
     from ballast.trainer.preflight import claim_run_dir
 
     lock = None
-    signals.install(save_first=bool(OmegaConf.select(raw, "trainer.save_on_signal", default=False)))
+    signals.install(save_first=bool(OmegaConf.select(raw, "trainer.save_on_signal", default=False)), exiting=exiting)
     try:
         cfg, sizes = prepare(raw)
         point, lock = claim_run_dir(cfg)
         run(cfg, sizes, OmegaConf.to_container(raw, resolve=True), point)
         return 0
-    except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM (signals.Terminated, or Ray's re-raise of it)
-        if signals.was_terminated(err):
-            print("ballast: terminated", file=sys.stderr, flush=True)
-            return signals.EXIT_TERMINATED
-        print("ballast: interrupted", file=sys.stderr, flush=True)
-        return 130
-    except Exception as err:
-        code, reason = failure(err)
-        if code == 1:
-            import traceback
-
-            traceback.print_exc()
-        elif _is_remote_exception(err):
-            print(str(err), file=sys.stderr)  # the worker's traceback, for debugging
-        elif _user_cause(err) is not None:
-            import traceback
-
-            traceback.print_exception(_user_cause(err), file=sys.stderr)  # the reward function's own traceback
+    except (KeyboardInterrupt, Exception) as err:
+        signals.begin_shutdown()  # the outcome is decided: a signal from here on is only noted
+        code, reason = outcome(err)
+        _print_details(err, code)
         print(f"ballast: {reason}", file=sys.stderr, flush=True)
         return code
     finally:
         signals.uninstall(exiting=exiting)
         if lock is not None:
             lock.release()
+
+
+def _print_details(err: BaseException, code: int) -> None:
+    """What goes above the last line: a traceback for an unexpected error, the worker's traceback for a
+    remote one, the user's own for a failing reward function."""
+    import traceback
+
+    if isinstance(err, KeyboardInterrupt):
+        return
+    if code == 1:
+        traceback.print_exception(err, file=sys.stderr)
+    elif _is_remote_exception(err):
+        print(str(err), file=sys.stderr)
+    elif _user_cause(err) is not None:
+        traceback.print_exception(_user_cause(err), file=sys.stderr)
 
 
 def _user_cause(err: BaseException) -> Optional[BaseException]:
