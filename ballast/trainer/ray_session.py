@@ -17,10 +17,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Optional, Tuple
 
@@ -49,6 +51,7 @@ class RaySession:
             if self.connected:
                 ray.shutdown()
         finally:
+            _restore_signal_handlers()
             self._clear(grace_s=3.0)
 
     def kill_now(self) -> None:
@@ -64,6 +67,36 @@ class RaySession:
         if self.watchdog is not None:
             _release(self.watchdog)
             self.watchdog = None
+
+
+def _keep_ray_off_the_drivers_signals() -> None:
+    """Stop `ray.init` from installing its C++ handlers for fatal signals in this process (the driver).
+
+    Ray's core worker installs them at `ray.init`, SIGTERM among them (a stack dump and exit 134 for
+    what is a scheduler's polite request), and `ray.shutdown()` resets them all to the default action
+    behind Python's back before it spends about a second stopping the local processes: a SIGTERM in
+    that second kills the driver in the middle of its cleanup, without its exit code or last line.
+    Ray's own switch for this is `RAY_DISABLE_FAILURE_SIGNAL_HANDLER`, read when Ray is imported; the
+    module attribute it sets is set here instead, so that the workers (which inherit the driver's
+    environment) keep their crash stack dumps. Python's faulthandler still reports a crash here.
+    """
+    try:
+        from ray._private import ray_constants
+    except ImportError:
+        return
+    if hasattr(ray_constants, "RAY_DISABLE_FAILURE_SIGNAL_HANDLER"):
+        ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
+
+
+def _restore_signal_handlers() -> None:
+    """Make the process's SIGINT and SIGTERM actions what Python believes they are again (a fallback
+    for a Ray whose switch above went away: its `ray.shutdown()` resets them)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        handler = signal.getsignal(signum)
+        if handler is not None:
+            signal.signal(signum, handler)
 
 
 def ray_temp_root() -> str:
@@ -91,6 +124,7 @@ def start_ray(cfg: BallastConfig) -> RaySession:
         probe_ray_address(r.address, r.timeout_s)
     if ray.is_initialized():
         return RaySession(connected=False)
+    _keep_ray_off_the_drivers_signals()
     if r.address:
         try:
             ray.init(address=r.address, **quiet)
