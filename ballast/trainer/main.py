@@ -6,9 +6,12 @@ the result is validated once into a frozen config plus derived sizes before any 
 
 A failed run ends with one line on stderr saying why and an exit code a scheduler can act on:
 0 done, 2 bad config, input or environment (config, data, model files, tokenizer, reward function,
-a run directory in use or holding another run, a damaged checkpoint, a full disk), 3 a worker died,
-timed out or raised, 4 too many non-finite steps in a row, 5 the Ray cluster did not answer or could
-not place the workers, 130 Ctrl-C, 143 SIGTERM, 1 anything else (with its traceback).
+a run directory that is unusable, in use or holding another run, a damaged checkpoint, a full disk),
+3 a worker died, timed out or raised, 4 a guard of the training loop stopped it (too many non-finite
+steps in a row, dynamic sampling that cannot fill a batch), 5 the Ray cluster did not answer or could
+not place the workers, or a local Ray did not start, 130 Ctrl-C, 143 SIGTERM, 1 anything else (with
+its traceback). Once a run is stopping, further signals cannot cut its cleanup short (see
+`ballast.trainer.signals`); docs/reliability.md lists what each case looks like.
 """
 
 from __future__ import annotations
@@ -196,7 +199,7 @@ def failure(err: BaseException) -> Tuple[int, str]:
     """The exit code and one-line reason for an error that ends a run."""
     from ballast.single_controller import PlacementError, WorkerError
     from ballast.trainer.checkpointing import CheckpointError
-    from ballast.trainer.ray_trainer import NonFiniteStepsError
+    from ballast.trainer.ray_trainer import DynamicSamplingError, NonFiniteStepsError
     from ballast.trainer.reward import RewardFunctionError
     from ballast.trainer.run_dir import RunDirError
 
@@ -216,7 +219,7 @@ def failure(err: BaseException) -> Tuple[int, str]:
         # a remote exception: its first line names group, method and rank, its last line the error
         reason = f"{lines[0]} {lines[-1]}" if _is_remote_exception(err) and len(lines) > 1 else lines[0]
         return EXIT_WORKER_FAILED, f"worker failure: {reason}"
-    if isinstance(err, NonFiniteStepsError):
+    if isinstance(err, (NonFiniteStepsError, DynamicSamplingError)):  # a guard of the training loop stopped it
         return EXIT_NONFINITE, f"training stopped: {lines[0]}"
     if isinstance(err, (RayUnavailableError, PlacementError)):
         return EXIT_RAY_UNAVAILABLE, f"ray cluster: {lines[0]}"

@@ -14,7 +14,7 @@ from ballast.trainer.main import (
     EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_RAY_UNAVAILABLE, EXIT_WORKER_FAILED, InputError, RayUnavailableError, failure,
     probe_ray_address,
 )
-from ballast.trainer.ray_trainer import NonFiniteStepsError
+from ballast.trainer.ray_trainer import DynamicSamplingError, NonFiniteStepsError
 from ballast.trainer.tracking import Tracker
 
 
@@ -76,6 +76,10 @@ REMOTE_TRACEBACK = ("actor_rollout_ref.update_actor failed on worker rank 1:\nra
      "worker failure: actor_rollout_ref.update_actor failed on worker rank 1: RuntimeError: CUDA out of memory"),
     (NonFiniteStepsError("5 actor updates in a row had a non-finite gradient norm"), EXIT_NONFINITE,
      "training stopped: 5 actor updates in a row had a non-finite gradient norm"),
+    (DynamicSamplingError("algorithm.filter_groups: 4 generation batches (max_num_gen_batches=4) gave only 1"),
+     EXIT_NONFINITE, "training stopped: algorithm.filter_groups: 4 generation batches (max_num_gen_batches=4) gave only 1"),
+    (RayUnavailableError("the local Ray instance did not start: The current node timed out during startup."),
+     EXIT_RAY_UNAVAILABLE, "ray cluster: the local Ray instance did not start: The current node timed out during startup."),
     (PlacementError("resource pool 'p' needs 2 node(s)"), EXIT_RAY_UNAVAILABLE,
      "ray cluster: resource pool 'p' needs 2 node(s)"),
     (RayUnavailableError("ray_init.address='h:1': nothing answered"), EXIT_RAY_UNAVAILABLE,
@@ -103,3 +107,13 @@ def test_secret_looking_config_values_are_redacted_in_the_config_dump(tmp_path):
     dumped = json.loads(text)
     assert dumped["trainer"] == {"project_name": "p", "wandb_api_key": "***"}
     assert dumped["custom"]["hf_token"] == "***" and dumped["list"][0]["api_secret"] == "***"
+
+
+def test_every_way_a_run_ends_has_its_exit_code_and_last_line():
+    from ballast.trainer import signals
+    from ballast.trainer.main import outcome
+
+    assert outcome(None) == (0, "")
+    assert outcome(KeyboardInterrupt()) == (130, "interrupted")
+    assert outcome(signals.Terminated()) == (143, "terminated")
+    assert outcome(ConfigError("x")) == (EXIT_BAD_INPUT, "invalid config: x")

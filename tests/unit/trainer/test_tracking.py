@@ -28,11 +28,16 @@ def test_wandb_runs_offline_without_an_api_key(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc with a wandb entry
+    import wandb
+
     tracker = Tracker(["wandb"], "ballast-test", "offline-run", str(tmp_path / "run"), config={"a": 1})
-    assert tracker._wandb.settings.mode == "offline"
-    tracker.log({"x": 1.0}, step=1)
-    tracker.finish()
-    assert os.path.isdir(tmp_path / "run" / "wandb")
+    try:
+        assert tracker._wandb.settings.mode == "offline"
+        tracker.log({"x": 1.0}, step=1)
+        tracker.finish()
+        assert os.path.isdir(tmp_path / "run" / "wandb")
+    finally:
+        wandb.teardown()  # wandb's service process would otherwise live as long as this process
 
 
 def test_redact_and_console_format():
