@@ -35,7 +35,7 @@ def collated_to_batch(collated: dict, uid_prefix: str) -> Batch:
 class RunData:
     def __init__(self, cfg: BallastConfig, tokenizer) -> None:
         d = cfg.data
-        truncation = "filter" if d.filter_overlong_prompts else d.truncation
+        truncation = "filter" if d.filter_overlong_prompts else str(d.truncation)
         self.collate = PromptCollator(tokenizer.pad_token_id)
         self.train_set = RLDataset(d.train_files, tokenizer, max_prompt_length=d.max_prompt_length,
                                    truncation=truncation, prompt_key=d.prompt_key)

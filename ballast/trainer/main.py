@@ -1,8 +1,10 @@
 """Command-line entry point: `python -m ballast.trainer.main [hydra overrides]` (or `ballast-train`).
 
-Hydra composes `configs/ppo_trainer.yaml` (or `--config-name quickstart`) with verl-style overrides;
-the result is validated once into a frozen config plus derived sizes before any worker starts.
-`--cfg job` prints the composed config without running.
+Hydra composes `configs/ppo_trainer.yaml` (or `--config-name quickstart`) with verl-style overrides.
+Before Ray starts, `prepare` loads it into the frozen typed config, reads the model's config, the
+data and the reward function, and plans the run (`plan_run`: the start-up check, which builds the
+derived sizes and every worker spec once); `training_session` then starts Ray and constructs the
+workers from that plan. `--cfg job` prints the composed config without running.
 
 A failed run ends with one line on stderr saying why and an exit code a scheduler can act on:
 0 done, 2 bad config, input or environment (config, data, model files, tokenizer, reward function,
@@ -22,7 +24,8 @@ import shutil
 import socket
 import sys
 import time
-from typing import Optional, Tuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional, Tuple
 
 import hydra
 import numpy as np
@@ -30,8 +33,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from ballast.models.weights_check import ModelFilesError, check_model_files
 from ballast.trainer import signals
-from ballast.trainer.config import BallastConfig, ConfigError, ModelInfo, check_config, to_typed
+from ballast.trainer.config import BallastConfig, ConfigError, ModelInfo, to_typed, uses_critic
 from ballast.trainer.config.gpu_memory import check_rollout_gpu_memory_at_start
+
+if TYPE_CHECKING:  # they load torch; the command line imports them once it runs
+    from ballast.trainer.data_setup import RunData
+    from ballast.trainer.run_plan import RunPlan
 
 EXIT_BAD_INPUT = 2
 EXIT_WORKER_FAILED = 3
@@ -67,22 +74,72 @@ def absolute_paths(cfg: BallastConfig) -> BallastConfig:
                                custom_reward_function=custom)
 
 
-def prepare(raw: DictConfig):
-    """Typed config (absolute paths) + derived sizes, or a `ConfigError` naming what is wrong."""
+@dataclass(frozen=True)
+class PreparedRun:
+    """A run checked and read before Ray starts: its config (absolute paths), plan, data and reward."""
+
+    cfg: BallastConfig
+    plan: "RunPlan"
+    data: "RunData"
+    reward: Any  # the RewardManager
+
+
+def prepare(raw: DictConfig) -> PreparedRun:
+    """The run `raw` describes, or a `ConfigError` (`InputError` for its files) naming what is wrong."""
     return prepare_typed(to_typed(raw))
 
 
-def prepare_typed(cfg: BallastConfig):
+def prepare_typed(cfg: BallastConfig) -> PreparedRun:
+    """Model files, then the data (it decides the step count the plan needs), then the plan, the
+    rollout backend and the reward function; all before Ray starts."""
+    from ballast.trainer.builders import overlong_buffer
+    from ballast.trainer.reward import RewardManager
+    from ballast.trainer.run_plan import plan_run
+
     cfg = absolute_paths(cfg)
     model = ModelInfo.from_dir(cfg.actor_rollout_ref.model.path)
-    sizes = check_config(cfg, model)
+    _check_model_files(cfg)
+    tokenizer, data = read_data(cfg)
+    plan = plan_run(cfg, model, data.total_steps)
+    _check_rollout_backend(cfg)
+    try:
+        reward = RewardManager.from_config(tokenizer, cfg.custom_reward_function.path, cfg.custom_reward_function.name,
+                                           cfg.data.reward_fn_key, overlong_buffer(cfg), cfg.reward.timeout_s,
+                                           str(cfg.reward_model.reward_manager))
+    except (ValueError, OSError, ImportError) as err:  # the messages name the file and the function
+        raise InputError(str(err)) from err
+    return PreparedRun(cfg=cfg, plan=plan, data=data, reward=reward)
+
+
+def read_data(cfg: BallastConfig):
+    """(tokenizer, `RunData`): the driver's random generators seeded, then the prompts read and tokenized."""
+    import torch
+
+    from ballast.models import load_tokenizer
+    from ballast.trainer.data_setup import RunData
+
+    random.seed(cfg.trainer.seed)
+    np.random.seed(cfg.trainer.seed)
+    torch.manual_seed(cfg.trainer.seed)
+    arr = cfg.actor_rollout_ref
+    try:
+        tokenizer = load_tokenizer(arr.model.tokenizer_path or arr.model.path)
+        return tokenizer, RunData(cfg, tokenizer)
+    except (ValueError, OSError, ImportError) as err:  # the messages name the file, row or path
+        raise InputError(str(err)) from err
+
+
+def _check_model_files(cfg: BallastConfig) -> None:
     for key, path in (("actor_rollout_ref.model.path", cfg.actor_rollout_ref.model.path),
-                      ("critic.model.path", cfg.critic.model.path if sizes.use_critic else None)):
+                      ("critic.model.path", cfg.critic.model.path if uses_critic(cfg) else None)):
         if path and os.path.isdir(path):
             try:
                 check_model_files(path)
             except ModelFilesError as err:
                 raise InputError(f"{key}: {err}") from None
+
+
+def _check_rollout_backend(cfg: BallastConfig) -> None:
     if cfg.actor_rollout_ref.rollout.name == "vllm":
         try:
             import vllm  # noqa: F401
@@ -92,40 +149,19 @@ def prepare_typed(cfg: BallastConfig):
                 "run scripts/setup.sh or use actor_rollout_ref.rollout.name=hf"
             ) from err
         check_rollout_gpu_memory_at_start(cfg)
-    return cfg, sizes
 
 
 @contextlib.contextmanager
-def training_session(cfg: BallastConfig, sizes, raw_config: Optional[dict] = None):
-    """Data, Ray, workers and trackers for one run; yields the `RayPPOTrainer` and cleans up after."""
+def training_session(run: PreparedRun, raw_config: Optional[dict] = None):
+    """Ray, workers and trackers for one prepared run; yields the `RayPPOTrainer` and cleans up after."""
     import ray
-    import torch
     from tqdm import tqdm
 
-    from ballast.models import load_tokenizer
-    from ballast.trainer.builders import overlong_buffer, worker_specs
-    from ballast.trainer.data_setup import RunData
     from ballast.trainer.ray_trainer import RayPPOTrainer
-    from ballast.trainer.reward import RewardManager
     from ballast.trainer.roles import create_workers
     from ballast.trainer.tracking import Tracker
 
-    seed = cfg.trainer.seed
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    arr = cfg.actor_rollout_ref
-    try:
-        tokenizer = load_tokenizer(arr.model.tokenizer_path or arr.model.path)
-        data = RunData(cfg, tokenizer)
-        reward = RewardManager.from_config(tokenizer, cfg.custom_reward_function.path,
-                                           cfg.custom_reward_function.name, cfg.data.reward_fn_key,
-                                           overlong_buffer(cfg), cfg.reward.timeout_s,
-                                           cfg.reward_model.reward_manager)
-    except (ValueError, OSError, ImportError) as err:  # the messages name the file, row or path
-        raise InputError(str(err)) from err
-    # Built again now that the step count is known (the optimizer schedule depends on it), before Ray starts.
-    specs = worker_specs(cfg, sizes, data.total_steps)
+    cfg, plan = run.cfg, run.plan
     ray_dir = start_ray(cfg)
     owns_ray = ray_dir is not None
     signals.reinstall()  # ray.init replaced the command line's handlers
@@ -133,12 +169,12 @@ def training_session(cfg: BallastConfig, sizes, raw_config: Optional[dict] = Non
     tracker = Tracker(cfg.trainer.logger, cfg.trainer.project_name, cfg.trainer.experiment_name,
                       cfg.trainer.default_local_dir, config=raw_config, console=tqdm.write)
     try:
-        print("ballast: derived sizes\n  " + "\n  ".join(sizes.summary()), flush=True)
-        workers = create_workers(cfg, sizes, specs)
+        print("ballast: derived sizes\n  " + "\n  ".join(plan.sizes.summary()), flush=True)
+        workers = create_workers(cfg, plan.sizes, plan.specs)
         record_workers(workers, cfg.trainer.default_local_dir)
-        with open(os.path.join(arr.model.path, "config.json")) as f:
+        with open(os.path.join(cfg.actor_rollout_ref.model.path, "config.json")) as f:
             model_config = json.load(f)
-        yield RayPPOTrainer(cfg, sizes, data, workers, reward, tracker, model_config)
+        yield RayPPOTrainer(cfg, plan.sizes, run.data, workers, run.reward, tracker, model_config)
     finally:
         tracker.finish()
         if workers is not None:
@@ -148,9 +184,9 @@ def training_session(cfg: BallastConfig, sizes, raw_config: Optional[dict] = Non
             remove_ray_dir(ray_dir)
 
 
-def run(cfg: BallastConfig, sizes, raw_config: Optional[dict] = None) -> dict:
+def run(prepared: PreparedRun, raw_config: Optional[dict] = None) -> dict:
     """Train; returns the last step's metrics."""
-    with training_session(cfg, sizes, raw_config) as trainer:
+    with training_session(prepared, raw_config) as trainer:
         return trainer.fit()
 
 
@@ -302,9 +338,9 @@ def cli_run(raw: DictConfig, exiting: bool = False) -> int:
     lock = None
     signals.install(save_first=bool(OmegaConf.select(raw, "trainer.save_on_signal", default=False)))
     try:
-        cfg, sizes = prepare(raw)
-        cfg, lock = claim_run_dir(cfg)
-        run(cfg, sizes, OmegaConf.to_container(raw, resolve=True))
+        prepared = prepare(raw)
+        cfg, lock = claim_run_dir(prepared.cfg)
+        run(dataclasses.replace(prepared, cfg=cfg), OmegaConf.to_container(raw, resolve=True))
         return 0
     except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM (signals.Terminated, or Ray's re-raise of it)
         if signals.was_terminated(err):

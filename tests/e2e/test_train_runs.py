@@ -26,8 +26,7 @@ REQUIRED = [
 @pytest.fixture()
 def session(tiny_task, e2e_ray, tmp_path):
     def make(name, *extra):
-        cfg, sizes = prepare_typed(load_config(overrides(tiny_task, run_dir(tmp_path, name), *extra)))
-        return training_session(cfg, sizes)
+        return training_session(prepare_typed(load_config(overrides(tiny_task, run_dir(tmp_path, name), *extra))))
 
     return make
 

@@ -5,8 +5,9 @@ import dataclasses
 
 import pytest
 
-from ballast.trainer.builders import actor_rollout_ref_spec, critic_spec, rollout_config
-from ballast.trainer.config import ConfigError, ModelInfo, check_config, load_config
+from ballast.trainer.builders import rollout_config
+from ballast.trainer.config import ConfigError, ModelInfo, load_config
+from ballast.trainer.run_plan import plan_run
 from ballast.workers.rollout.vllm_backend import engine_kwargs
 
 TINY = ModelInfo(4, 2, 128, 2, 256, 512, 2048)
@@ -19,8 +20,8 @@ BASE = ["data.train_files=/d.parquet", "actor_rollout_ref.model.path=/m", "train
 
 def _spec(*extra):
     cfg = load_config(BASE + list(extra))
-    sizes = check_config(cfg, TINY)
-    return cfg, sizes, actor_rollout_ref_spec(cfg, sizes, total_steps=100)
+    plan = plan_run(cfg, TINY, total_steps=100)
+    return cfg, plan.sizes, plan.specs.actor_rollout_ref
 
 
 def test_rollout_knobs_reach_vllm():
@@ -86,7 +87,6 @@ def test_actor_spec_carries_sizes_bucketing_and_adaptive_clip():
 
 def test_critic_spec_for_gae():
     cfg = load_config(BASE + ["algorithm.adv_estimator=gae", "critic.optim.lr=3e-5"])
-    sizes = check_config(cfg, TINY)
-    spec = critic_spec(cfg, sizes, total_steps=10)
+    spec = plan_run(cfg, TINY, total_steps=10).specs.critic
     assert spec.critic.role == "critic" and spec.critic.optim.lr == 3e-5
     assert sizes.critic.train.use_dynamic_bsz and sizes.critic.mini_batch_samples_per_rank == 4

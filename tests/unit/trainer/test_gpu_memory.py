@@ -88,7 +88,7 @@ def test_gpu_smoke_grpo_overrides_form_a_valid_config_that_fits_an_h200():
     import shlex
     from pathlib import Path
 
-    from ballast.trainer.config import check_config
+    from ballast.trainer.run_plan import plan_run
 
     script = (Path(__file__).resolve().parents[3] / "scripts" / "gpu_smoke.sh").read_text()
     block = script[script.index("-m ballast.trainer.main"):script.index('} >"$OUT/grpo.log"')]
@@ -97,5 +97,5 @@ def test_gpu_smoke_grpo_overrides_form_a_valid_config_that_fits_an_h200():
     overrides = [tok for tok in shlex.split(block)[1:] if "=" in tok]
     assert "actor_rollout_ref.rollout.kv_cache_memory_bytes=67108864" in overrides
     cfg = load_config(overrides)
-    check_config(cfg)
+    plan_run(cfg, None, total_steps=cfg.trainer.total_training_steps)
     check_rollout_gpu_memory(cfg, 460_000, H200_BYTES)  # the tiny preset: well under a million parameters
