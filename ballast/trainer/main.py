@@ -25,7 +25,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Tuple
+from typing import TYPE_CHECKING, Optional, Tuple
 
 import hydra
 import numpy as np
@@ -38,6 +38,7 @@ from ballast.trainer.config.gpu_memory import check_rollout_gpu_memory_at_start
 
 if TYPE_CHECKING:  # they load torch; the command line imports them once it runs
     from ballast.trainer.data_setup import RunData
+    from ballast.trainer.reward import RewardManager
     from ballast.trainer.run_plan import RunPlan
 
 EXIT_BAD_INPUT = 2
@@ -81,7 +82,7 @@ class PreparedRun:
     cfg: BallastConfig
     plan: "RunPlan"
     data: "RunData"
-    reward: Any  # the RewardManager
+    reward: "RewardManager"
 
 
 def prepare(raw: DictConfig) -> PreparedRun:
@@ -152,7 +153,7 @@ def _check_rollout_backend(cfg: BallastConfig) -> None:
 
 
 @contextlib.contextmanager
-def training_session(run: PreparedRun, raw_config: Optional[dict] = None):
+def training_session(prepared: PreparedRun, raw_config: Optional[dict] = None):
     """Ray, workers and trackers for one prepared run; yields the `RayPPOTrainer` and cleans up after."""
     import ray
     from tqdm import tqdm
@@ -161,7 +162,7 @@ def training_session(run: PreparedRun, raw_config: Optional[dict] = None):
     from ballast.trainer.roles import create_workers
     from ballast.trainer.tracking import Tracker
 
-    cfg, plan = run.cfg, run.plan
+    cfg, plan = prepared.cfg, prepared.plan
     ray_dir = start_ray(cfg)
     owns_ray = ray_dir is not None
     signals.reinstall()  # ray.init replaced the command line's handlers
@@ -174,7 +175,7 @@ def training_session(run: PreparedRun, raw_config: Optional[dict] = None):
         record_workers(workers, cfg.trainer.default_local_dir)
         with open(os.path.join(cfg.actor_rollout_ref.model.path, "config.json")) as f:
             model_config = json.load(f)
-        yield RayPPOTrainer(cfg, plan.sizes, run.data, workers, run.reward, tracker, model_config)
+        yield RayPPOTrainer(cfg, plan.sizes, prepared.data, workers, prepared.reward, tracker, model_config)
     finally:
         tracker.finish()
         if workers is not None:
