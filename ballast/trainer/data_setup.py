@@ -16,6 +16,7 @@ import numpy as np
 from ballast.data import PromptCollator, RLDataset, StatefulDataLoader
 from ballast.protocol import Batch
 from ballast.trainer.config import BallastConfig
+from ballast.trainer.config.keys import build
 
 TENSOR_KEYS = ("input_ids", "attention_mask", "position_ids")
 
@@ -33,14 +34,20 @@ def collated_to_batch(collated: dict, uid_prefix: str) -> Batch:
 
 
 class RunData:
+    """Read before the run is planned (the step count comes from here), so a setting the dataset or
+    loader refuses is reported with its config key (`build`), like the specs' settings."""
+
     def __init__(self, cfg: BallastConfig, tokenizer) -> None:
         d = cfg.data
         truncation = "filter" if d.filter_overlong_prompts else str(d.truncation)
+        keys = {"max_prompt_length": "data.max_prompt_length",
+                "batch_size": "data.gen_batch_size" if d.gen_batch_size else "data.train_batch_size"}
         self.collate = PromptCollator(tokenizer.pad_token_id)
-        self.train_set = RLDataset(d.train_files, tokenizer, max_prompt_length=d.max_prompt_length,
-                                   truncation=truncation, prompt_key=d.prompt_key)
-        self.loader = StatefulDataLoader(
-            self.train_set, d.gen_batch_size or d.train_batch_size, shuffle=d.shuffle, seed=d.seed, drop_last=True,
+        self.train_set = build(keys, RLDataset, d.train_files, tokenizer, max_prompt_length=d.max_prompt_length,
+                               truncation=truncation, prompt_key=d.prompt_key)
+        self.loader = build(
+            keys, StatefulDataLoader, self.train_set, d.gen_batch_size or d.train_batch_size, shuffle=d.shuffle,
+            seed=d.seed, drop_last=True,
             collate_fn=self.collate, num_workers=d.dataloader_num_workers,
             prefetch_factor=d.prefetch_factor if d.dataloader_num_workers > 0 else None,
             persistent_workers=d.persistent_workers,

@@ -126,6 +126,8 @@ def read_data(cfg: BallastConfig):
     try:
         tokenizer = load_tokenizer(arr.model.tokenizer_path or arr.model.path)
         return tokenizer, RunData(cfg, tokenizer)
+    except ConfigError:
+        raise  # a setting the dataset or loader refused, named by its key
     except (ValueError, OSError, ImportError) as err:  # the messages name the file, row or path
         raise InputError(str(err)) from err
 

@@ -14,14 +14,18 @@ from testkit.e2e import overrides, write_tiny_task
 REQUIRED = ["data.train_files=/d.parquet", "actor_rollout_ref.model.path=/m"]
 
 
-def test_prepare_reads_the_data_then_builds_every_spec_once(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    return write_tiny_task(tmp_path_factory.mktemp("task"))
+
+
+def test_prepare_reads_the_data_then_builds_every_spec_once(task, tmp_path, monkeypatch):
     from ballast.trainer import run_plan
     from ballast.trainer.main import prepare_typed
 
     built = []
     real = run_plan.worker_specs
     monkeypatch.setattr(run_plan, "worker_specs", lambda *args: built.append(args[2]) or real(*args))
-    task = write_tiny_task(tmp_path / "task")
     # No trainer.total_training_steps: 2 epochs of 64 prompts in batches of 4 are 32 steps.
     extra = ["trainer.total_training_steps=null", "trainer.total_epochs=2",
              "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine"]
@@ -30,6 +34,19 @@ def test_prepare_reads_the_data_then_builds_every_spec_once(tmp_path, monkeypatc
     assert prepared.plan.total_steps == prepared.data.total_steps == 32
     assert prepared.plan.specs.actor_rollout_ref.actor.optim.total_steps == 32
     assert prepared.plan.sizes.samples_per_step == 16 and prepared.plan.specs.critic is None
+
+
+@pytest.mark.parametrize("override, message", [
+    ("data.train_batch_size=0", "data.train_batch_size: batch_size must be a positive int, got 0"),
+    ("data.gen_batch_size=-2", "data.gen_batch_size: batch_size must be a positive int, got -2"),
+    ("data.max_prompt_length=0", "data.max_prompt_length: max_prompt_length must be a positive int, got 0"),
+])
+def test_a_setting_the_data_read_refuses_is_a_config_error_naming_the_key(task, tmp_path, override, message):
+    from ballast.trainer.main import InputError, prepare_typed
+
+    with pytest.raises(ConfigError) as info:
+        prepare_typed(load_config(overrides(task, str(tmp_path / "run"), override)))
+    assert str(info.value) == message and not isinstance(info.value, InputError)
 
 
 def test_schema_choices_hold_exactly_their_owners_values():
