@@ -87,6 +87,7 @@ def test_actor_spec_carries_sizes_bucketing_and_adaptive_clip():
 
 def test_critic_spec_for_gae():
     cfg = load_config(BASE + ["algorithm.adv_estimator=gae", "critic.optim.lr=3e-5"])
-    spec = plan_run(cfg, TINY, total_steps=10).specs.critic
+    plan = plan_run(cfg, TINY, total_steps=10)
+    spec, sizes = plan.specs.critic, plan.sizes
     assert spec.critic.role == "critic" and spec.critic.optim.lr == 3e-5
     assert sizes.critic.train.use_dynamic_bsz and sizes.critic.mini_batch_samples_per_rank == 4

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from ballast.protocol import Batch
-from ballast.trainer.config import ConfigError, ModelInfo, check_config, load_config
+from ballast.trainer.config import ConfigError, ModelInfo, load_config
 from ballast.trainer.dynamic_sampling import filter_metric_values, informative_groups
 from ballast.trainer.reward import OverlongBuffer, RewardManager
+from ballast.trainer.run_plan import plan_run
 from ballast.trainer.val_metrics import validation_metrics
 
 MODEL = ModelInfo(num_attention_heads=4, num_key_value_heads=2, hidden_size=128, num_hidden_layers=2,
@@ -92,8 +93,8 @@ BASE = ["data.train_files=/d.parquet", "actor_rollout_ref.model.path=/m", "train
 def test_the_overlong_buffer_needs_the_dapo_manager():
     with pytest.raises(ConfigError, match="reward_model.overlong_buffer.enable=True is applied by "
                                           "reward_model.reward_manager=dapo only .*'naive'"):
-        check_config(load_config(BASE), MODEL)
-    check_config(load_config(BASE + ["reward_model.reward_manager=dapo"]), MODEL)
+        plan_run(load_config(BASE), MODEL, total_steps=10)
+    plan_run(load_config(BASE + ["reward_model.reward_manager=dapo"]), MODEL, total_steps=10)
 
 
 def test_the_built_in_gsm8k_score_gives_acc_under_the_dapo_manager():

@@ -6,7 +6,7 @@ import pickle
 import pytest
 
 from ballast.trainer.config import ConfigError, load_config
-from ballast.trainer.config.schema import Choice, KLControlType, LossAggMode, Truncation
+from ballast.trainer.config.schema import Choice, KLControlType, LossAggMode, RewardManagerName, Truncation
 from ballast.trainer.config.schema.choice import values
 
 from testkit.e2e import overrides, write_tiny_task
@@ -53,10 +53,12 @@ def test_schema_choices_hold_exactly_their_owners_values():
     from ballast.data import TRUNCATION_MODES
     from ballast.engine.losses import LOSS_AGG_MODES
     from ballast.trainer.algorithms.kl import KL_CONTROLLERS
+    from ballast.trainer.reward import REWARD_MANAGERS
 
     assert values(LossAggMode) == tuple(LOSS_AGG_MODES)
     assert values(Truncation) == tuple(TRUNCATION_MODES)
     assert values(KLControlType) == tuple(KL_CONTROLLERS)
+    assert values(RewardManagerName) == tuple(REWARD_MANAGERS)
 
 
 def test_a_choice_is_its_string_everywhere_downstream():
