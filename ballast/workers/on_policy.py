@@ -4,7 +4,8 @@ The first mini-batch of the first epoch is differentiated under exactly the weig
 the samples: its "old" log-probs are its own log-probs, detached. So the driver's separate
 old-log-prob pass need not cover those rows:
 
-* one mini-batch and one epoch (verl skips the recomputation then too): no pass at all;
+* one mini-batch and one epoch: no pass at all (verl 0.9.1 still runs its pass then; it skips it only
+  in rollout-correction bypass mode, which uses the rollout's own log-probs instead);
 * k > 1 mini-batches, one epoch, a central plan: the pass covers the other (k - 1) / k of the rows.
 
 The driver marks the rows with `FROM_UPDATE_KEY` (bool, per row); for them `old_log_probs` in the
