@@ -43,8 +43,13 @@ def count_groups(uids: Sequence) -> int:
     return len(np.unique(np.asarray(uids).astype(str)))
 
 
-def sampling_metrics(num_gen_batches: int, evicted_groups: int, discarded_samples: int) -> Dict[str, float]:
-    """verl's `training/filter_groups/*` counters and the DAPO recipe's `train/num_gen_batches`."""
+def sampling_metrics(num_gen_batches: int, evicted_groups: int, surplus_groups: int) -> Dict[str, float]:
+    """verl's `training/filter_groups/*` counters and the DAPO recipe's `train/num_gen_batches`.
+
+    Both verl counters count prompt GROUPS (uids), despite "samples" in their names: `evicted_samples`
+    the groups dropped for a single shared metric value, `discarded_surplus_samples` the informative
+    groups collected beyond `data.train_batch_size` and not trained on.
+    """
     return {"train/num_gen_batches": float(num_gen_batches),
             "training/filter_groups/evicted_samples": float(evicted_groups),
-            "training/filter_groups/discarded_surplus_samples": float(discarded_samples)}
+            "training/filter_groups/discarded_surplus_samples": float(surplus_groups)}

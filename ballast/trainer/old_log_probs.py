@@ -16,7 +16,7 @@ import torch
 
 from ballast.balance import balance_batch, plan_step
 from ballast.protocol import Batch
-from ballast.trainer.algorithms import masked_mean
+from ballast.trainer.algorithms.policy_loss import ActorLossConfig, entropy_metric
 from ballast.workers.train_loop import LOG_PROB_PLAN_KEY
 
 
@@ -57,10 +57,12 @@ def fill_from_update(batch: Batch, entropy: torch.Tensor, results: Sequence, upd
     return filled
 
 
-def old_log_prob_metrics(batch: Batch, entropy: torch.Tensor) -> Dict[str, float]:
-    """`actor/entropy` (token mean over the step) and, when the rollout reported its own log-probs,
-    the rollout-vs-actor difference: a direct check that weight sync keeps the two models identical."""
-    metrics = {"actor/entropy": float(masked_mean(entropy, batch["response_mask"]))}
+def old_log_prob_metrics(batch: Batch, entropy: torch.Tensor, loss_cfg: ActorLossConfig) -> Dict[str, float]:
+    """`actor/entropy` (over the step, aggregated as the actor loss, see `entropy_metric`) and, when the
+    rollout reported its own log-probs, the rollout-vs-actor difference: a direct check that weight sync
+    keeps the two models identical."""
+    metrics = {"actor/entropy": entropy_metric(entropy, batch["response_mask"], loss_cfg.loss_agg_mode,
+                                               loss_cfg.loss_scale_factor)}
     if "rollout_log_probs" in batch:
         mask = batch["response_mask"].bool()
         diff = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs()[mask]

@@ -180,7 +180,7 @@ class RayPPOTrainer:
             if updates_actor:
                 with _timer(timing, "update_actor"):
                     metrics.update(self.update_actor(batch, actor_plan, entropy, from_update))
-        metrics.update(old_log_prob_metrics(batch, entropy))
+        metrics.update(old_log_prob_metrics(batch, entropy, self.actor_loss_cfg))
         metrics.update(data_metrics(batch, self.cfg.data.max_response_length, self.sizes.use_critic))
         self.monitor.report(step)
         metrics.update(timing_metrics(batch, timing))
@@ -235,7 +235,7 @@ class RayPPOTrainer:
         size = self.cfg.data.train_batch_size * self.cfg.actor_rollout_ref.rollout.n
         extras = {k: np.concatenate([e[k] for _, e in kept]) for k in kept[0][1]}
         metrics.update(_extra_means({k: v[:size] for k, v in extras.items()}))
-        metrics.update(sampling_metrics(num_gen, evicted, len(batch) - size))
+        metrics.update(sampling_metrics(num_gen, evicted, num_groups - self.cfg.data.train_batch_size))
         return batch[:size]
 
     def _score(self, batch: Batch, step: int) -> Dict[str, np.ndarray]:

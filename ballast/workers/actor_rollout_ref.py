@@ -123,7 +123,7 @@ class ActorRolloutRefWorker(Worker):
         start = time.perf_counter()
         out = actor.infer_batch(data, self.spec.actor_infer, temperature=self.spec.temperature,
                                 calculate_entropy=True, plan=batch.meta.get(LOG_PROB_PLAN_KEY))
-        mfu = mfu_metrics("old_log_prob", actor, data, time.perf_counter() - start, self._peak_flops, passes=1)
+        mfu = mfu_metrics("actor_infer", actor, data, time.perf_counter() - start, self._peak_flops, passes=1)
         return Batch({"old_log_probs": out["log_probs"].cpu(), "entropy": out["entropy"].cpu()},
                      meta={"metrics": {k: [v] for k, v in mfu.items()}})
 
