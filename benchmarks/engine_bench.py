@@ -128,7 +128,7 @@ def run_mode(args) -> dict:
     times, metrics = [], {}
     for i in range(args.repeats + 1):
         start = time.perf_counter()
-        metrics = engine.forward_backward_batch(data, loss_fn, spec)
+        metrics = engine.forward_backward_batch(data, loss_fn, engine.plan_micro_batches(data, spec))
         engine.optimizer_step()
         memory.sync()
         if i > 0:  # the first update is the warm-up

@@ -128,22 +128,17 @@ def actor_rollout_ref_spec(cfg: BallastConfig, sizes: DerivedSizes, total_steps:
     actor_engine = _engine(cfg, "actor", arr.model, sizes.actor.sp_size, actor.grad_clip,
                            engine_optim(actor.optim, total_steps, "actor_rollout_ref.actor.optim"), actor.fsdp_config)
     train = TrainLoopSpec(
-        mini_batch_samples_per_rank=sizes.actor.mini_batch_samples_per_rank, ppo_epochs=actor.ppo_epochs,
-        shuffle=actor.shuffle, seed=cfg.trainer.seed, micro=sizes.actor.train,
         loss_fn=functools.partial(actor_loss, cfg=actor_loss_config(cfg)), temperature=temperature,
         calculate_entropy=actor.entropy_coeff > 0 or actor.calculate_entropy,
         grad_clip_min_batch_size=actor.grad_clip_min_batch_size if actor.grad_clip_adaptive else None,
     )
-    ref_engine = ref_infer = None
+    ref_engine = None
     if sizes.ref is not None:
         ref_engine = _engine(cfg, "ref", arr.model, sizes.ref.sp_size, None, OptimConfig(lr=0.0), arr.ref.fsdp_config)
-        ref_infer = sizes.ref.infer
     _, val_sampling = sampling_configs(cfg)
     return ActorRolloutRefSpec(
-        actor=actor_engine, actor_train=train,
-        actor_infer=sizes.actor.infer,
-        rollout=rollout_config(cfg),
-        rollout_val_sampling=val_sampling, ref=ref_engine, ref_infer=ref_infer, temperature=temperature,
+        actor=actor_engine, actor_train=train, rollout=rollout_config(cfg),
+        rollout_val_sampling=val_sampling, ref=ref_engine, temperature=temperature,
         seed=cfg.trainer.seed, dist_timeout_s=cfg.trainer.worker_timeout_s,
     )
 
@@ -155,11 +150,8 @@ def critic_spec(cfg: BallastConfig, sizes: DerivedSizes, total_steps: int) -> Cr
     loss = functools.partial(critic_loss, cfg=CriticLossConfig(cliprange_value=c.cliprange_value,
                                                                loss_agg_mode=c.loss_agg_mode,
                                                                loss_scale_factor=c.loss_scale_factor))
-    train = TrainLoopSpec(
-        mini_batch_samples_per_rank=sizes.critic.mini_batch_samples_per_rank, ppo_epochs=c.ppo_epochs,
-        shuffle=c.shuffle, seed=cfg.trainer.seed, micro=sizes.critic.train, loss_fn=loss,
-    )
-    return CriticSpec(critic=engine, train=train, infer=sizes.critic.infer, seed=cfg.trainer.seed,
+    train = TrainLoopSpec(loss_fn=loss)
+    return CriticSpec(critic=engine, train=train, seed=cfg.trainer.seed,
                       dist_timeout_s=cfg.trainer.worker_timeout_s)
 
 

@@ -1,4 +1,11 @@
-"""The driver's data: training prompts as Batches with a uid per prompt, and the validation set."""
+"""The driver's data: training prompts as Batches with a uid per prompt, and the validation set.
+
+Training reads at most `trainer.total_epochs` passes over the data, as verl's loop does: the batch
+after the last one of the last epoch raises `DataExhausted`, and the trainer ends the run there. A
+plain run ends before that (its step count is the number of batches in `total_epochs`, or a smaller
+`trainer.total_training_steps`); a run that draws more than one batch per step (dynamic sampling)
+or asks for more steps than the epochs hold ends early, saying so.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +18,10 @@ from ballast.protocol import Batch
 from ballast.trainer.config import BallastConfig
 
 TENSOR_KEYS = ("input_ids", "attention_mask", "position_ids")
+
+
+class DataExhausted(RuntimeError):
+    """The training data of `trainer.total_epochs` epochs is used up."""
 
 
 def collated_to_batch(collated: dict, uid_prefix: str) -> Batch:
@@ -36,6 +47,7 @@ class RunData:
         )
         t = cfg.trainer
         per_epoch = len(self.loader)
+        self.total_epochs = t.total_epochs
         self.total_steps = t.total_training_steps or t.total_epochs * per_epoch
         self.val: Optional[Batch] = None
         if d.val_files:
@@ -49,10 +61,20 @@ class RunData:
     def epoch(self) -> int:
         return self.loader.epoch
 
+    @property
+    def pad_token_id(self) -> int:
+        return self.collate.pad_token_id
+
     def next_prompts(self, step: int, uid_prefix: Optional[str] = None) -> Batch:
-        """The next training batch; uids are `<uid_prefix or step{step}>-<row>`."""
+        """The next training batch; uids are `<uid_prefix or step{step}>-<row>`.
+
+        Raises DataExhausted once `trainer.total_epochs` epochs have been handed out."""
         while True:
             if self._iter is None:
+                if self.loader.epoch >= self.total_epochs:
+                    raise DataExhausted(
+                        f"the training data of trainer.total_epochs={self.total_epochs} is used up "
+                        f"({self.total_epochs} x {len(self.loader)} batches of {self.loader.batch_size} prompts)")
                 self._iter = iter(self.loader)
             try:
                 return collated_to_batch(next(self._iter), uid_prefix or f"step{step}")

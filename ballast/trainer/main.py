@@ -120,7 +120,8 @@ def training_session(cfg: BallastConfig, sizes, raw_config: Optional[dict] = Non
         data = RunData(cfg, tokenizer)
         reward = RewardManager.from_config(tokenizer, cfg.custom_reward_function.path,
                                            cfg.custom_reward_function.name, cfg.data.reward_fn_key,
-                                           overlong_buffer(cfg), cfg.reward.timeout_s)
+                                           overlong_buffer(cfg), cfg.reward.timeout_s,
+                                           cfg.reward_model.reward_manager)
     except (ValueError, OSError, ImportError) as err:  # the messages name the file, row or path
         raise InputError(str(err)) from err
     # Built again now that the step count is known (the optimizer schedule depends on it), before Ray starts.

@@ -55,7 +55,7 @@ def _worker(rank, world, root, model_dir):
 
     losses, grads = [], []
     for engine in (sharded, replicas):
-        losses.append(engine.forward_backward_batch(rows, loss_fn, SPEC)["loss"])
+        losses.append(engine.forward_backward_batch(rows, loss_fn, engine.plan_micro_batches(rows, SPEC))["loss"])
         grads.append({n: full(p.grad).float().clone() for n, p in engine.model.named_parameters()})
     report["losses"] = losses
     report["grad_norm_ref"] = max(float(g.abs().max()) for g in grads[0].values())

@@ -170,13 +170,13 @@ def _check_ranges(cfg: BallastConfig) -> None:
 
 
 def _check_fsdp_size(key: str, size, world: int) -> None:
-    """`size` is an int the engine's rule accepts for `world` workers (`ballast.engine.dist.fsdp_shard_size`)."""
-    from ballast.engine.dist import fsdp_shard_size
+    """`size` is an int the engine's rule accepts for `world` workers (`ballast.engine.dist.resolve_shard_size`)."""
+    from ballast.engine.dist import resolve_shard_size
 
     try:
         if isinstance(size, bool) or not isinstance(size, int):
             raise ValueError(size)
-        fsdp_shard_size(size, world)
+        resolve_shard_size(size, world)
     except ValueError:
         raise ConfigError(f"{key}={size!r}: must be -1 (shard over all {world} workers) or an int that divides the "
                           f"{world} workers (hybrid sharding: {world} / fsdp_size replicas)") from None
@@ -229,6 +229,9 @@ def _check_dapo(cfg: BallastConfig) -> None:
     if ob.enable and not 0 < ob.len <= cfg.data.max_response_length:
         raise ConfigError(f"reward_model.overlong_buffer.len={ob.len} must be in (0, data.max_response_length="
                           f"{cfg.data.max_response_length}] when reward_model.overlong_buffer.enable=True")
+    if ob.enable and rm.reward_manager != "dapo":
+        raise ConfigError(f"reward_model.overlong_buffer.enable=True is applied by reward_model.reward_manager=dapo "
+                          f"only (verl's {rm.reward_manager!r} manager ignores it): set reward_manager=dapo")
 
 
 def _check_rules(cfg: BallastConfig) -> None:

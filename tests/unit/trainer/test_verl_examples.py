@@ -5,6 +5,9 @@ The override lists are verl's GRPO (examples/grpo_trainer), PPO (examples/ppo_tr
 as published, with `$HOME/...` paths replaced; `trainer.device=cuda` because they are GPU runs.
 """
 
+import shlex
+from pathlib import Path
+
 import pytest
 
 from ballast.trainer.builders import actor_loss_config, actor_rollout_ref_spec, critic_spec
@@ -88,3 +91,12 @@ def test_verl_example_command_lines_validate_unchanged(name, line):
         assert (loss.clip_ratio_low, loss.clip_ratio_high, loss.clip_ratio_c) == (0.2, 0.28, 10.0)
         assert cfg.algorithm.filter_groups.metric == "acc" and cfg.reward_model.overlong_buffer.len == 4096
         assert cfg.data.gen_batch_size == 1536
+
+
+def test_the_dapo_example_script_is_verls_dapo_command_line():
+    """examples/run_dapo_gsm8k.sh runs the DAPO line above with only the model and data paths changed."""
+    script = (Path(__file__).resolve().parents[3] / "examples" / "run_dapo_gsm8k.sh").read_text()
+    command = script[script.index("python -m ballast.trainer.main"):].replace("\\\n", " ")
+    args = [arg.replace("$MODEL", "/models/Qwen2.5-7B").replace("$DATA", "/data/gsm8k")
+            for arg in shlex.split(command)[3:] if arg != "$@"]
+    assert args == PATHS[:2] + DAPO.split()

@@ -77,6 +77,8 @@ def test_fsdp_size_that_does_not_divide_the_workers_fails_at_start_up(key, value
     (["reward_model.overlong_buffer.enable=True", "reward_model.overlong_buffer.len=512"],
      "overlong_buffer.len=512 must be in \\(0, data.max_response_length=256\\]"),
     (["reward_model.reward_manager=prime"], "reward_model.reward_manager='prime' is not one of"),
+    (["reward_model.overlong_buffer.enable=True", "reward_model.overlong_buffer.len=64"],
+     "overlong_buffer.enable=True is applied by reward_model.reward_manager=dapo only"),
     (["data.gen_batch_size=12"], "data.gen_batch_size=12 differs from data.train_batch_size=8 but algorithm.filter_groups"),
     (["data.gen_batch_size=3", "algorithm.filter_groups.enable=True", "actor_rollout_ref.rollout.n=1",
       "actor_rollout_ref.rollout.n=3"], "gen_batch_size \\* actor_rollout_ref.rollout.n = 9 samples must divide"),

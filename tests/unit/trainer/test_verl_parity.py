@@ -172,7 +172,8 @@ def test_entropy_metric_is_verls_loss_agg_mode_aggregate(agg, scale):
     entropy = torch.rand(B, R, generator=torch.Generator().manual_seed(13)) * 3
     want = V.agg_loss(loss_mat=entropy, loss_mask=tensors["response_mask"], loss_agg_mode=agg,
                       loss_scale_factor=scale)
-    got = old_log_prob_metrics(Batch(tensors), entropy, ActorLossConfig(loss_agg_mode=agg, loss_scale_factor=scale))
+    got = old_log_prob_metrics(Batch({**tensors, "entropy": entropy}),
+                               ActorLossConfig(loss_agg_mode=agg, loss_scale_factor=scale))
     assert got["actor/entropy"] == pytest.approx(float(want), abs=1e-6)
     if agg != "token-mean":  # the modes really differ on this batch: the test can tell them apart
         token_mean = V.agg_loss(loss_mat=entropy, loss_mask=tensors["response_mask"], loss_agg_mode="token-mean")
@@ -230,7 +231,7 @@ def test_lr_schedule_over_a_run_matches_verl_after_warmup_and_pins_the_ramp(sche
     mini-batches per step, against verl's scheduler stepped once per update_actor call."""
     from tensordict import TensorDict
 
-    from ballast.engine import MicroBatchSpec
+    from ballast.balance import MicroBatchMode, MicroBatchPolicy, plan_phase
     from testkit.engine import schedule_probe_engine
     from ballast.workers.spec import TrainLoopSpec
     from ballast.workers.train_loop import run_train_loop
@@ -238,8 +239,8 @@ def test_lr_schedule_over_a_run_matches_verl_after_warmup_and_pins_the_ramp(sche
     warmup, total, lr = 4, 30, 0.1
     optim = EngineOptim(lr=lr, lr_schedule=schedule, warmup_steps=warmup, total_steps=total, min_lr_ratio=0.1)
     engine = schedule_probe_engine(optim)
-    spec = TrainLoopSpec(mini_batch_samples_per_rank=2, ppo_epochs=1, shuffle=False, seed=0,
-                         micro=MicroBatchSpec(micro_batch_size_per_gpu=1), loss_fn=lambda *a: None)
+    spec = TrainLoopSpec(loss_fn=lambda *a: None)
+    plan = plan_phase([3] * 8, 1, MicroBatchPolicy(MicroBatchMode.STATIC, micro_batch_size=1), mini_batch_samples=2)
     param = torch.nn.Parameter(torch.zeros(1))
     opt = torch.optim.SGD([param], lr=lr)
     theirs = (VF.get_cosine_schedule_with_warmup(opt, warmup, total, min_lr_ratio=0.1) if schedule == "cosine"
@@ -247,7 +248,7 @@ def test_lr_schedule_over_a_run_matches_verl_after_warmup_and_pins_the_ramp(sche
     data = TensorDict({"x": torch.zeros(8, 1)}, batch_size=[8])
     for step in range(total):
         engine.seen_lrs.clear()
-        run_train_loop(engine, data, spec, dp_rank=0, prefix="actor")
+        run_train_loop(engine, data, plan, spec, prefix="actor")
         verl_lr = opt.param_groups[0]["lr"]  # what verl's update_actor applies at this step
         assert len(set(engine.seen_lrs)) == 1  # one learning rate for every mini-batch of the step
         if step >= warmup:

@@ -48,6 +48,7 @@ def test_the_old_log_prob_pass_reports_verls_actor_infer_mfu():
     worker.actor.infer_batch = lambda data, spec, **kw: {"log_probs": torch.zeros(2, 2), "entropy": torch.ones(2, 2)}
     worker._peak_flops = 1e6
     mask = torch.ones(2, 4, dtype=torch.long)
-    out = worker.compute_log_prob(Batch({"input_ids": mask, "attention_mask": mask, "position_ids": mask.cumsum(-1)}))
-    assert set(out.meta["metrics"]) == {"perf/mfu/actor_infer"}
-    assert out.meta["metrics"]["perf/mfu/actor_infer"][0] > 0
+    batch = Batch({"input_ids": mask, "attention_mask": mask, "position_ids": mask.cumsum(-1)})
+    out = worker.compute_log_prob(batch, SimpleNamespace(mini_batches=[None]))
+    assert set(out.metrics) == {"perf/mfu/actor_infer"}
+    assert out.metrics["perf/mfu/actor_infer"][0] > 0

@@ -59,6 +59,10 @@ class ActorConfig:
     """Weight of the entropy bonus (>= 0)."""
     calculate_entropy: bool
     """Compute and log the entropy in the update even when `entropy_coeff` is 0."""
+    old_log_prob_from_update: bool
+    """With one epoch and no reward KL penalty, the actor update computes the old log-probs itself (its
+    first mini-batch's own, a forward-only pass over the rest before its first step) instead of a
+    separate pass over every row; false: the separate pass, as verl."""
     use_torch_compile: bool
     """Accepted for verl compatibility, no effect here (the engine does not compile the model)."""
     data_loader_seed: Optional[int]

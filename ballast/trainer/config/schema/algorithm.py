@@ -18,7 +18,7 @@ class CustomRewardConfig:
 @dataclass(frozen=True)
 class OverlongBufferConfig:
     enable: bool
-    """DAPO's soft overlong punishment."""
+    """DAPO's soft overlong punishment (needs `reward_model.reward_manager=dapo`)."""
     len: int
     """Answers longer than `data.max_response_length - len` tokens lose reward linearly."""
     penalty_factor: float
@@ -30,7 +30,7 @@ class OverlongBufferConfig:
 @dataclass(frozen=True)
 class RewardModelConfig:
     reward_manager: str
-    """`naive` or `dapo`: both score with the rule reward and apply the overlong buffer when enabled."""
+    """`naive` or `dapo` (verl's managers): `dapo` records a plain-number score as `acc` and applies the overlong buffer."""
     overlong_buffer: OverlongBufferConfig
     """DAPO's overlong reward shaping."""
 
