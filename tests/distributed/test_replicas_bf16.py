@@ -50,7 +50,7 @@ def _worker(rank, world, root, model_dir):
     sharded = TrainEngine(cfg, parallel=build_parallel_state(1, "cpu"))
     replicas = TrainEngine(dataclasses.replace(cfg, fsdp_size=1), parallel=build_parallel_state(1, "cpu", 1))
     report = {"modes": [sharded.data_parallel_mode, replicas.data_parallel_mode],
-              "mesh": list(replicas.parallel.fsdp_mesh.shape)}
+              "mesh": list(replicas.parallel.param_mesh.shape)}
     report["initial_diff"] = _max_diff(_full_params(sharded), _full_params(replicas))
 
     losses, grads = [], []

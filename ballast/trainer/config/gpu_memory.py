@@ -32,7 +32,7 @@ from math import prod
 from pathlib import Path
 from typing import Optional
 
-from ballast.engine.dist import fsdp_shard_size
+from ballast.engine.dist import resolve_shard_size
 from ballast.trainer.config.derived import uses_critic, uses_reference
 from ballast.trainer.config.loader import ConfigError
 from ballast.trainer.config.schema import BallastConfig
@@ -105,7 +105,7 @@ def rollout_memory_plan(cfg: BallastConfig, param_count: int, total_bytes: int,
     world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
 
     def shard(params: int, fsdp_size: int) -> int:  # float32 parameters held by one rank
-        return FP32_BYTES * params // fsdp_shard_size(fsdp_size, world)
+        return FP32_BYTES * params // resolve_shard_size(fsdp_size, world)
 
     actor_fsdp, ref_fsdp, critic = arr.actor.fsdp_config, arr.ref.fsdp_config, cfg.critic
     actor_bytes = 0 if actor_fsdp.offload_policy else shard(param_count, actor_fsdp.fsdp_size)
