@@ -50,11 +50,16 @@ def count_groups(uids: Sequence) -> int:
     return len(np.unique(np.asarray(uids).astype(str)))
 
 
-def sampling_metrics(num_gen_batches: int, evicted_groups: int, discarded_samples: int) -> Dict[str, float]:
-    """verl's `training/filter_groups/*` counters and the DAPO recipe's `train/num_gen_batches`."""
+def sampling_metrics(num_gen_batches: int, evicted_groups: int, surplus_groups: int) -> Dict[str, float]:
+    """verl's `training/filter_groups/*` counters and the DAPO recipe's `train/num_gen_batches`.
+
+    Both verl counters count prompt GROUPS (uids), despite "samples" in their names: `evicted_samples`
+    the groups dropped for a single shared metric value, `discarded_surplus_samples` the informative
+    groups collected beyond `data.train_batch_size` and not trained on.
+    """
     return {"train/num_gen_batches": float(num_gen_batches),
             "training/filter_groups/evicted_samples": float(evicted_groups),
-            "training/filter_groups/discarded_surplus_samples": float(discarded_samples)}
+            "training/filter_groups/discarded_surplus_samples": float(surplus_groups)}
 
 
 class DynamicSamplingError(RuntimeError):
@@ -102,5 +107,6 @@ class GroupCollector:
         # a value the score function returned for some generation batches only has no row for every sample
         keys = set.intersection(*(set(e) for _, e in self._kept))
         extras = {k: np.concatenate([e[k] for _, e in self._kept])[:size] for k in sorted(keys)}
-        metrics = sampling_metrics(self.num_gen_batches, self.evicted_groups, len(batch) - size)
+        metrics = sampling_metrics(self.num_gen_batches, self.evicted_groups,
+                                   self.num_groups - self.train_batch_size)
         return batch[:size], extras, metrics

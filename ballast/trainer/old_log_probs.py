@@ -16,7 +16,7 @@ import torch
 
 from ballast.balance import PhasePlan
 from ballast.protocol import Batch
-from ballast.trainer.algorithms import masked_mean
+from ballast.trainer.algorithms.policy_loss import ActorLossConfig, entropy_metric
 from ballast.workers.on_policy import OldLogProbMode, old_log_prob_mode
 
 
@@ -25,12 +25,13 @@ def from_dispatch_order(parts: Sequence[torch.Tensor], plan: PhasePlan) -> torch
     return torch.cat(list(parts))[torch.as_tensor(plan.restore_index())]
 
 
-def old_log_prob_metrics(batch: Batch) -> Dict[str, float]:
-    """`actor/entropy` (token mean over the step) and, when the rollout reported
-    its own log-probs, the rollout-vs-actor difference: a direct check that weight sync keeps the two
-    models identical."""
+def old_log_prob_metrics(batch: Batch, loss_cfg: ActorLossConfig) -> Dict[str, float]:
+    """`actor/entropy` (over the step, aggregated as the actor loss, see `entropy_metric`) and, when the
+    rollout reported its own log-probs, the rollout-vs-actor difference: a direct check that weight sync
+    keeps the two models identical."""
     mask = batch["response_mask"]
-    metrics = {"actor/entropy": float(masked_mean(batch["entropy"], mask))}
+    metrics = {"actor/entropy": entropy_metric(batch["entropy"], mask, loss_cfg.loss_agg_mode,
+                                               loss_cfg.loss_scale_factor)}
     if "rollout_log_probs" in batch:
         diff = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs()[mask.bool()]
         metrics["training/rollout_actor_log_prob_diff/mean"] = float(diff.mean()) if diff.numel() else 0.0

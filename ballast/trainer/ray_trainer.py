@@ -171,7 +171,7 @@ class RayPPOTrainer:
             if updates_actor:
                 with _timer(timing, "update_actor"):
                     metrics.update(self.update_actor(batch, actor_plan, plans, separate_pass))
-        metrics.update(old_log_prob_metrics(batch))
+        metrics.update(old_log_prob_metrics(batch, self.actor_loss_cfg))
         metrics.update(data_metrics(batch, self.cfg.data.max_response_length, self.sizes.use_critic))
         self.monitor.report(step)
         metrics.update(timing_metrics(batch, timing))

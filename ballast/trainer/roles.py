@@ -28,7 +28,10 @@ WORKER_ENV_DEFAULTS = {
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",
     "VLLM_LOGGING_LEVEL": "ERROR",
 }
-FORWARDED_ENV = ("VLLM_CACHE_ROOT", "VLLM_LOGGING_LEVEL", "TORCHINDUCTOR_CACHE_DIR", "BALLAST_CACHE_DIR", "HF_HOME", "TMPDIR")
+# Forwarded when set on the driver (also to workers of a Ray cluster started elsewhere); NCCL_DEBUG makes
+# NCCL log its set-up into the workers' logs, which scripts/gpu_smoke.sh checks.
+FORWARDED_ENV = ("VLLM_CACHE_ROOT", "VLLM_LOGGING_LEVEL", "TORCHINDUCTOR_CACHE_DIR", "BALLAST_CACHE_DIR", "HF_HOME", "TMPDIR",
+                 "NCCL_DEBUG")
 
 
 def worker_env() -> dict:
