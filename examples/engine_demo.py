@@ -95,7 +95,7 @@ def main(argv=None) -> int:
         )
     for step in range(args.steps):
         start = time.perf_counter()
-        metrics = engine.forward_backward_batch(local, nll_loss, spec, calculate_entropy=True)
+        metrics = engine.forward_backward_batch(local, nll_loss, engine.plan_micro_batches(local, spec), calculate_entropy=True)
         opt = engine.optimizer_step()
         if rank0:
             print(

@@ -194,6 +194,15 @@ def _best_cross_rank_swap(
     return float(gain[a, o]), int(inside[a]), int(partner[a, o]), gain.size
 
 
+def _bin_of(plan: Sequence[Sequence[np.ndarray]], n: int, m: int) -> np.ndarray:
+    """Micro-batch ``r * m + j`` of every sample (-1 for samples in no micro-batch)."""
+    bin_of = np.full(n, -1, dtype=np.int64)
+    for r, rank in enumerate(plan):
+        for j, mb in enumerate(rank):
+            bin_of[np.asarray(mb, dtype=np.int64)] = r * m + j
+    return bin_of
+
+
 def refine_lockstep_across_ranks(
     costs: np.ndarray,
     tokens: np.ndarray,
@@ -205,13 +214,11 @@ def refine_lockstep_across_ranks(
     one cheaper sample of any other micro-batch, of the same rank or of another one.
 
     ``plan[r][j]``: indices into the global ``costs``/``tokens`` of rank ``r``'s ``j``-th
-    micro-batch. Each pass visits the steps in decreasing order of how far their slowest micro-batch
-    leads the second slowest and applies, per step, the best swap found (partners near the ideal
-    cost, see :func:`_best_cross_rank_swap`). Every applied swap strictly lowers the lockstep cost
-    and keeps every micro-batch non-empty and within ``max_tokens``, every rank's sample count, and
-    micro-step ``j`` as micro-step ``j``. The passes stop when one lowers the cost by less than a
-    1e-5 fraction or after about ``max_work`` units of work; the result is deterministic. Returns
-    the new ``plan[r][j]`` (ascending indices).
+    micro-batch. Each pass visits the steps by decreasing lead of their slowest micro-batch over the
+    second slowest and applies, per step, the best swap found (:func:`_best_cross_rank_swap`). Every
+    swap strictly lowers the lockstep cost and keeps every micro-batch non-empty and within
+    ``max_tokens``, every rank's sample count and micro-step ``j`` as ``j``. Passes stop when one
+    gains less than a 1e-5 fraction or after about ``max_work`` units of work (deterministic).
     """
     dp = len(plan)
     m = len(plan[0]) if dp else 0
@@ -219,10 +226,7 @@ def refine_lockstep_across_ranks(
         raise ValueError(f"ranks have different micro-batch counts {[len(rank) for rank in plan]}")
     costs = np.asarray(costs, dtype=np.float64)
     tokens = np.asarray(tokens, dtype=np.float64)
-    bin_of = np.full(len(costs), -1, dtype=np.int64)
-    for r, rank in enumerate(plan):
-        for j, mb in enumerate(rank):
-            bin_of[np.asarray(mb, dtype=np.int64)] = r * m + j
+    bin_of = _bin_of(plan, len(costs), m)
     members = np.flatnonzero(bin_of >= 0)
     step_cost = np.bincount(bin_of[members], weights=costs[members], minlength=dp * m)
     bin_tokens = np.bincount(bin_of[members], weights=tokens[members], minlength=dp * m)

@@ -1,9 +1,13 @@
-"""Training engine: one HF model on a (dp, sp) mesh with FSDP2, driven by TensorDict mini-batches.
+"""Training engine: one HF model on a (dp, sp) mesh with FSDP2 (or DDP for whole replicas), driven by
+TensorDict mini-batches.
 
 No Ray and no `ballast.protocol` here: the engine runs under plain `torchrun` (gloo on CPU, NCCL on
 GPU). See docs/engine.md for the data flow, the loss formulas and the gradient-invariance argument.
+The plans it executes (`PhasePlan`, `MiniBatchPlan`) come from `ballast.balance.plan_phase` and are
+re-exported here for the workers, which hand them to the engine.
 """
 
+from ballast.balance import MiniBatchPlan, PhasePlan
 from ballast.engine.config import EngineConfig, MicroBatchSpec, OptimConfig
 from ballast.engine.engine import TrainEngine
 from ballast.engine.losses import LOSS_AGG_MODES, GlobalNorm, agg_loss
@@ -13,7 +17,9 @@ __all__ = [
     "EngineConfig",
     "GlobalNorm",
     "MicroBatchSpec",
+    "MiniBatchPlan",
     "OptimConfig",
+    "PhasePlan",
     "TrainEngine",
     "agg_loss",
 ]

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
+from ballast.balance import MicroBatchMode, MicroBatchPolicy
 from ballast.balance.bucketing import check_bucket_boundaries
 
 # The allowed values of each choice field, stated once; the tuples are read back from the types.
@@ -174,3 +175,10 @@ class MicroBatchSpec:
         if not self.use_dynamic_bsz:
             raise ValueError("token_budget() is defined for dynamic micro-batching only")
         return int(self.max_token_len_per_gpu) * int(sp_size)
+
+    def policy(self, sp_size: int) -> MicroBatchPolicy:
+        """The planner's view of this spec on an SP group of `sp_size` ranks."""
+        if not self.use_dynamic_bsz:
+            return MicroBatchPolicy(MicroBatchMode.STATIC, micro_batch_size=self.micro_batch_size_per_gpu)
+        mode = MicroBatchMode.DYNAMIC if self.bucket_boundaries is None else MicroBatchMode.BUCKETED
+        return MicroBatchPolicy(mode, token_budget=self.token_budget(sp_size), bucket_boundaries=self.bucket_boundaries)

@@ -2,9 +2,10 @@
 
 Ranks are laid out row-major on a (dp, sp) mesh: the `sp` ranks of one SP group are consecutive
 (rank = dp_rank * sp + sp_rank) and hold the same micro-batches. The DP group of a rank is the ranks
-with the same sp_rank. FSDP2 shards parameters over the flattened dp x sp mesh (all ranks) or, with
-`fsdp_size=k` (hybrid sharding), over groups of k consecutive ranks, each group holding a full replica.
-The FSDP layout is independent of the (dp, sp) layout: every rank's gradient is summed either way.
+with the same sp_rank. The parameters are laid out over the `param_mesh`: one copy sharded over the
+flattened dp x sp mesh (all ranks) or, with `fsdp_size=k`, one copy per group of k consecutive ranks
+(k = 1: a whole replica per rank). That layout is independent of the (dp, sp) layout: every rank's
+gradient is summed either way.
 """
 
 from __future__ import annotations
@@ -25,6 +26,16 @@ def resolve_device_type(device: str) -> str:
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("engine device='cuda' but torch.cuda.is_available() is False")
     return device
+
+
+def all_gather_single(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
+    """Gather every rank's `input` into `output` (rank-major along dim 0).
+
+    torch 2.13 renamed `all_gather_into_tensor` to `all_gather_single` and deprecated the old name;
+    the project supports torch >= 2.11, where only the old name exists. Looked up at each call.
+    """
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, input, group=group)
 
 
 def init_distributed(device_type: str, timeout_s: float = 1800.0) -> None:
@@ -65,9 +76,10 @@ class ParallelState:
     """Who this rank is on the (dp, sp) mesh, and the groups the engine communicates over."""
 
     mesh: DeviceMesh  # 2-D, dim names ("dp", "sp")
-    # What FSDP2 shards over: the 1-D flattening of dp x sp, or with hybrid sharding a 2-D
-    # ("replicate", "shard") mesh of world / fsdp_size replicas of fsdp_size consecutive ranks.
-    fsdp_mesh: DeviceMesh
+    # How the parameters are laid out: the 1-D flattening of dp x sp (one copy, sharded over every
+    # rank), or a 2-D ("replicate", "shard") mesh of world / shard_size copies, each on shard_size
+    # consecutive ranks (FSDP2 hybrid sharding; whole replicas when shard_size is 1).
+    param_mesh: DeviceMesh
     dp_group: dist.ProcessGroup
     sp_group: dist.ProcessGroup
     dp_size: int
@@ -81,15 +93,15 @@ class ParallelState:
         return self.dp_size * self.sp_size
 
     @property
-    def fsdp_shard_size(self) -> int:
-        """Ranks that share one copy of the parameters (the world unless sharding is hybrid)."""
-        return self.fsdp_mesh.size(self.fsdp_mesh.ndim - 1)
+    def shard_size(self) -> int:
+        """Ranks that share one copy of the parameters (the world unless there are replicas)."""
+        return self.param_mesh.size(self.param_mesh.ndim - 1)
 
     @property
     def replica_group(self) -> dist.ProcessGroup | None:
-        """The group of this rank's peers in the other replicas (hybrid sharding), else None.
-        (`build_parallel_state` makes the mesh 2-D only when there are at least two replicas.)"""
-        return self.fsdp_mesh.get_group(0) if self.fsdp_mesh.ndim == 2 else None
+        """The group of this rank's peers in the other replicas (hybrid sharding, whole replicas),
+        else None. (`build_parallel_state` makes the mesh 2-D only when there are two or more copies.)"""
+        return self.param_mesh.get_group(0) if self.param_mesh.ndim == 2 else None
 
     @property
     def device(self) -> torch.device:
@@ -98,7 +110,7 @@ class ParallelState:
         return torch.device("cpu")
 
 
-def fsdp_shard_size(fsdp_size: int, world: int) -> int:
+def resolve_shard_size(fsdp_size: int, world: int) -> int:
     """Ranks per parameter shard group: `world` for -1 or anything >= world (verl's rule), else
     `fsdp_size`, which must divide the world."""
     if fsdp_size == -1 or fsdp_size >= world:
@@ -109,7 +121,7 @@ def fsdp_shard_size(fsdp_size: int, world: int) -> int:
 
 
 def build_parallel_state(sp_size: int, device_type: str, fsdp_size: int = -1) -> ParallelState:
-    """Build the (dp, sp) mesh and the FSDP mesh (see `fsdp_shard_size`) over the default group."""
+    """Build the (dp, sp) mesh and the parameter mesh (see `resolve_shard_size`) over the default group."""
     if not dist.is_initialized():
         raise RuntimeError("call init_distributed() (or torch.distributed.init_process_group) first")
     world = dist.get_world_size()
@@ -117,14 +129,14 @@ def build_parallel_state(sp_size: int, device_type: str, fsdp_size: int = -1) ->
         raise ValueError(f"world size {world} is not divisible by ulysses_sequence_parallel_size={sp_size}")
     dp_size = world // sp_size
     mesh = init_device_mesh(device_type, (dp_size, sp_size), mesh_dim_names=("dp", "sp"))
-    shard = fsdp_shard_size(fsdp_size, world)
+    shard = resolve_shard_size(fsdp_size, world)
     if shard == world:
-        fsdp_mesh = mesh["dp", "sp"]._flatten("dp_sp")
+        param_mesh = mesh["dp", "sp"]._flatten("dp_sp")
     else:
-        fsdp_mesh = init_device_mesh(device_type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
+        param_mesh = init_device_mesh(device_type, (world // shard, shard), mesh_dim_names=("replicate", "shard"))
     return ParallelState(
         mesh=mesh,
-        fsdp_mesh=fsdp_mesh,
+        param_mesh=param_mesh,
         dp_group=mesh["dp"].get_group(),
         sp_group=mesh["sp"].get_group(),
         dp_size=dp_size,

@@ -2,18 +2,19 @@
 
 One call of `forward_backward_batch` processes one mini-batch (this rank's share):
 
-1. preflight, collective over the DP group: check the layout (and an explicit central plan, if the
-   caller passes one), agree the micro-batch count (MAX; not needed with a central plan), and sum the
-   loss tokens and sequences into a `GlobalNorm` (SUM);
+1. preflight, collective over the DP group: check the layout and the caller's plan (the mini-batch's
+   micro-batches on every DP rank, from `ballast.balance.plan_phase`: the engine never plans), agree
+   any error (MAX), and sum the loss tokens and sequences into a `GlobalNorm` (SUM);
 2. for every micro-batch: forward (padded, packed, or packed + Ulysses), `loss_fn(outputs, micro,
    norm)`, backward. The loss returned by `loss_fn` is the micro-batch's exact share of the mini-batch
    loss, so summing over micro-batches and DP ranks gives the mini-batch loss;
-3. FSDP reduce-scatters with a plain SUM (see `parallelize`), so the accumulated gradient is the
-   gradient of the mini-batch loss whatever the dp size, sp size or micro-batch cut;
+3. data parallelism (FSDP2 reduce-scatter or DDP all-reduce, see `parallelize`) sums gradients
+   with a plain SUM, so the accumulated gradient is the gradient of the mini-batch loss whatever the
+   dp size, sp size or micro-batch cut;
 4. metrics: summed over micro-batches and over the DP group (they are shares too).
 
-Dummy micro-batches (a rank with fewer samples than the agreed count) back-propagate a zero-weighted
-output, contributing exactly zero gradient while issuing the same collectives.
+An empty micro-batch in the plan (a rank holding fewer rows than the agreed count) back-propagates a
+zero-weighted output, contributing exactly zero gradient while issuing the same collectives.
 """
 
 from __future__ import annotations
@@ -25,25 +26,22 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
-from torch.distributed.fsdp import FSDPModule
-from torch.nn.parallel import DistributedDataParallel
 
-from ballast.balance import FlopsModel
+from ballast.balance import FlopsModel, MiniBatchPlan
 from ballast.engine import checkpoint as ckpt
 from ballast.engine.config import EngineConfig, MicroBatchSpec
-from ballast.engine.dist import (ParallelState, build_parallel_state, fsdp_shard_size, init_distributed,
-                                 resolve_device_type)
+from ballast.engine.data_parallel import DataParallelMode
+from ballast.engine.dist import (ParallelState, build_parallel_state, init_distributed, resolve_device_type,
+                                 resolve_shard_size)
 from ballast.engine.gather import iter_gathered
 from ballast.engine.forward import ForwardOptions, forward_micro_batch
 from ballast.engine.losses import GlobalNorm
 from ballast.engine.micro_batch import (
-    MicroBatchPlan,
     agree_max,
+    check_rank_plan,
     dummy_micro_batch,
-    explicit_plan,
-    plan_micro_batches,
+    plan_rank_micro_batches,
     restore_order,
-    split_micro_batches,
 )
 from ballast.engine.model import load_model
 from ballast.engine.optim import build_optimizer, build_scheduler, clip_and_step
@@ -97,14 +95,14 @@ class TrainEngine:
                 f"parallel state has sp={parallel.sp_size} but ulysses_sequence_parallel_size="
                 f"{cfg.ulysses_sequence_parallel_size}"
             )
-        if parallel.fsdp_shard_size != fsdp_shard_size(cfg.fsdp_size, parallel.world_size):
-            raise ValueError(f"parallel state shards parameters over {parallel.fsdp_shard_size} rank(s) but "
+        if parallel.shard_size != resolve_shard_size(cfg.fsdp_size, parallel.world_size):
+            raise ValueError(f"parallel state shards parameters over {parallel.shard_size} rank(s) but "
                              f"fsdp_size={cfg.fsdp_size}")
         self.parallel = parallel
-        # `model`: the HF module (parameters, state dicts, inference); `_train_module`: what training
-        # forwards go through, the same object under FSDP2 or a DDP wrapper around it (replicas).
+        # `model`: the HF module (parameters, state dicts, inference); `data_parallel.module`: what
+        # training forwards go through, the same object under FSDP2 or a DDP wrapper around it.
         self.model = load_model(cfg.model_path, cfg.role, cfg.trust_remote_code, seed)
-        self._train_module = parallelize(self.model, parallel, cfg)
+        self.data_parallel = parallelize(self.model, parallel, cfg)
         # Dynamic micro-batches are balanced by this model's forward FLOPs (linear + causal attention),
         # so long samples count for what they cost, not just for their tokens.
         self.workload = _flops_model(self.model.config)
@@ -116,24 +114,20 @@ class TrainEngine:
         self.last_micro_batch_tokens: list[list[int]] = []
 
     @property
-    def data_parallel_mode(self) -> str:
+    def data_parallel_mode(self) -> DataParallelMode:
         """How the model is spread over ranks: "fsdp" (FSDP2), "ddp" (a whole trainable replica per
         rank, gradients summed by DDP) or "replica" (a whole frozen replica per rank)."""
-        if isinstance(self._train_module, DistributedDataParallel):
-            return "ddp"
-        return "fsdp" if isinstance(self.model, FSDPModule) else "replica"
+        return self.data_parallel.mode
 
     # ------------------------------------------------------------------ mini-batch execution
-    def _preflight(self, data: TensorDict, spec: MicroBatchSpec,
-                   plan=None) -> tuple[GlobalNorm, MicroBatchPlan, list[int]]:
-        """The DP-global loss normaliser, this rank's micro-batch plan (the central `plan` when given)
-        and each micro-batch's real tokens."""
+    def _preflight(self, data: TensorDict, plan: MiniBatchPlan) -> tuple[GlobalNorm, tuple, list[int]]:
+        """The DP-global loss normaliser, this rank's micro-batches from `plan` and each one's real
+        tokens. Collective over the DP group: a malformed batch or plan on any rank raises on all."""
         error = _check_batch(data)
         group, device = self.parallel.dp_group, self.parallel.device
-        given = None
-        if error is None and plan is not None:
-            given, error = explicit_plan(plan, spec, self.parallel.sp_size, self.parallel.dp_size,
-                                         self.parallel.dp_rank, sequence_lengths(data["attention_mask"]).cpu().numpy())
+        lengths = None if error else sequence_lengths(data["attention_mask"]).cpu().numpy()
+        if error is None:
+            error = check_rank_plan(plan, self.parallel.dp_size, self.parallel.dp_rank, lengths)
         local_response_len = 0 if error else int(data["responses"].shape[-1])
         # One MAX all-reduce: a malformed batch or plan on any DP rank makes every rank raise here.
         any_error, response_len = agree_max([int(error is not None), local_response_len], group, device)
@@ -146,15 +140,19 @@ class TrainEngine:
         if self.parallel.dp_size > 1:
             dist.all_reduce(counts, group=group)
         norm = GlobalNorm(num_tokens=int(counts[0]), num_sequences=int(counts[1]), response_len=response_len)
-        lengths = sequence_lengths(data["attention_mask"]).cpu().numpy()
-        prompt_width = data["input_ids"].shape[1] - data["responses"].shape[1]
-        prompt_lengths = data["attention_mask"][:, :prompt_width].sum(-1).cpu().numpy()
-        if given is not None:
-            plan = given
-        else:
-            plan = plan_micro_batches(lengths, spec, self.parallel.sp_size, group, device, prompt_lengths,
-                                      self.workload)
-        return norm, plan, [int(lengths[idx].sum()) for idx in plan.micro_indices]
+        micro = plan.for_rank(self.parallel.dp_rank)
+        return norm, micro, [int(lengths[idx].sum()) for idx in micro if len(idx)]  # zero-weight steps hold none
+
+    def plan_micro_batches(self, data: TensorDict, spec: MicroBatchSpec) -> MiniBatchPlan:
+        """A plan for `data` as this rank holds it (every rank its own rows), for use without the
+        trainer's driver: `ballast.balance.plan_phase` over all ranks' lengths. Collective over DP."""
+        prompt_lengths = None
+        if spec.bucket_boundaries is not None:
+            prompt_width = data["input_ids"].shape[1] - data["responses"].shape[1]
+            prompt_lengths = data["attention_mask"][:, :prompt_width].sum(-1).cpu().numpy()
+        return plan_rank_micro_batches(sequence_lengths(data["attention_mask"]).cpu().numpy(),
+                                       spec.policy(self.parallel.sp_size), self.parallel.dp_group,
+                                       prompt_lengths, self.workload)
 
     def _check_sp_peers_agree(self, data: TensorDict) -> None:
         """SP peers must hold identical micro-batches; a cheap fingerprint catches a dispatch bug."""
@@ -190,16 +188,15 @@ class TrainEngine:
         self,
         data: TensorDict,
         loss_fn: LossFn,
-        spec: MicroBatchSpec,
+        plan: MiniBatchPlan,
         forward_only: bool = False,
         temperature: float = 1.0,
         calculate_entropy: bool = False,
-        plan=None,
     ) -> dict[str, float]:
         """Forward (and backward) this rank's mini-batch; gradients accumulate into `.grad`.
 
-        `plan`: an optional central plan, `plan[r][j]` = row indices of DP rank r's j-th micro-batch
-        (the same object on every rank); without it the rank plans its own micro-batches.
+        `plan`: the mini-batch's micro-batches for every DP rank (`ballast.balance.plan_phase`; the
+        same object on every rank; `plan_micro_batches` makes one for rows already placed).
 
         `loss_fn(outputs, micro, norm) -> (loss, metrics)`: outputs are `log_probs` (+`entropy`) or
         `values`, (B_micro, R); loss and every metric must be the micro-batch's SHARE of the mini-batch
@@ -208,71 +205,53 @@ class TrainEngine:
         """
         if not forward_only and not self.cfg.trainable:
             raise ValueError(f"role {self.cfg.role!r} has no optimizer; call with forward_only=True")
-        norm, plan, micro_tokens = self._preflight(data, spec, plan)
+        norm, micro_batches, micro_tokens = self._preflight(data, plan)
         opts = self._forward_options(temperature, calculate_entropy)
-        device = self.parallel.device
-        seq_len, response_len = data["input_ids"].shape[1], data["responses"].shape[1]
-        module = self.model if forward_only else self._train_module
+        module = self.model if forward_only else self.data_parallel.module
         module.train(not forward_only)
         # Accumulated on the device and read once at the end: no host sync per micro-batch.
-        sums: dict[str, torch.Tensor] = {"loss": torch.zeros((), dtype=torch.float64, device=device)}
-        backwards = 0 if forward_only else plan.num_micro_batches
+        sums: dict[str, torch.Tensor] = {"loss": torch.zeros((), dtype=torch.float64, device=self.parallel.device)}
+        backwards = 0 if forward_only else len(micro_batches)
         with torch.set_grad_enabled(not forward_only):
-            for index, micro in enumerate(split_micro_batches(data, plan)):
+            for index, rows in enumerate(micro_batches):
                 with self._gradient_sync(index == backwards - 1, backwards):
-                    micro = micro.to(device)
-                    outputs = forward_micro_batch(module, micro, opts, self.parallel)
-                    loss, metrics = loss_fn(outputs, micro, norm)
-                    clash = sorted(set(metrics) & set(RESERVED_METRICS))
-                    if clash:
-                        raise ValueError(f"loss_fn returned metrics {clash}, names the engine reserves for itself")
-                    if not forward_only:
-                        loss.backward()
-                for key, value in {"loss": loss, **metrics}.items():
-                    value = torch.as_tensor(value.detach() if torch.is_tensor(value) else value, device=device)
-                    sums[key] = sums.get(key, 0.0) + value.to(torch.float64)
-            for index in range(len(plan.micro_indices), plan.num_micro_batches):
-                with self._gradient_sync(index == backwards - 1, backwards):
-                    self._run_dummy(module, seq_len, response_len, opts, backward=not forward_only)
-        if backwards:
-            self._set_fsdp_gradient_sync(True)
+                    if len(rows):
+                        self._micro_step(data, rows, loss_fn, norm, opts, module, forward_only, sums)
+                    else:
+                        self._run_dummy(module, data["input_ids"].shape[1], data["responses"].shape[1], opts,
+                                        backward=not forward_only)
         result, self.last_micro_batch_tokens = self._sum_over_dp(
             {key: float(value) for key, value in sums.items()}, micro_tokens)
         result.update(
-            num_micro_batches=float(plan.num_micro_batches),
-            num_dummy_micro_batches=float(plan.num_dummy),
+            num_micro_batches=float(len(micro_batches)),
+            num_dummy_micro_batches=float(sum(1 for rows in micro_batches if not len(rows))),
             num_tokens=float(norm.num_tokens),
             num_sequences=float(norm.num_sequences),
         )
         return result
 
-    def _gradient_sync(self, last_backward: bool, backwards: int) -> contextlib.AbstractContextManager:
-        """The scope of one micro-batch's forward and backward: reduce gradients only in the last one.
+    def _micro_step(self, data, rows, loss_fn, norm, opts, module, forward_only, sums) -> None:
+        """Forward one micro-batch, its loss share and (unless forward-only) backward; sums the metrics."""
+        device = self.parallel.device
+        micro = data[torch.as_tensor(rows, dtype=torch.int64)].to(device)
+        outputs = forward_micro_batch(module, micro, opts, self.parallel)
+        loss, metrics = loss_fn(outputs, micro, norm)
+        clash = sorted(set(metrics) & set(RESERVED_METRICS))
+        if clash:
+            raise ValueError(f"loss_fn returned metrics {clash}, names the engine reserves for itself")
+        if not forward_only:
+            loss.backward()
+        for key, value in {"loss": loss, **metrics}.items():
+            value = torch.as_tensor(value.detach() if torch.is_tensor(value) else value, device=device)
+            sums[key] = sums.get(key, 0.0) + value.to(torch.float64)
 
-        DDP replicas accumulate locally under `no_sync()` and all-reduce the sum once per mini-batch
-        (on every device: their gradients are whole either way). FSDP2 on CPU does the same (see
-        `_set_fsdp_gradient_sync`). Forward-only calls (`backwards == 0`) reduce nothing.
-        """
+    def _gradient_sync(self, last_backward: bool, backwards: int) -> contextlib.AbstractContextManager:
+        """The scope of one micro-batch's forward and backward (`DataParallel.gradient_sync`): DDP,
+        and FSDP2 on CPU, reduce gradients once per mini-batch, in the last backward. Forward-only
+        calls (`backwards == 0`) reduce nothing."""
         if not backwards:
             return contextlib.nullcontext()
-        if isinstance(self._train_module, DistributedDataParallel):
-            return contextlib.nullcontext() if last_backward else self._train_module.no_sync()
-        self._set_fsdp_gradient_sync(last_backward)
-        return contextlib.nullcontext()
-
-    def _set_fsdp_gradient_sync(self, last_backward: bool) -> None:
-        """On CPU, reduce-scatter gradients once per mini-batch instead of after every micro-batch.
-
-        Until the last backward of a mini-batch, FSDP2 keeps the unsharded gradients (and parameters)
-        and accumulates locally; the last backward reduces the sum. On gloo every collective costs
-        a round trip per layer, so this saves (micro-batches - 1) reductions and all-gathers per
-        mini-batch. On GPU the unsharded gradients of the whole model would have to fit in memory,
-        so there the default (reduce after every backward) stays.
-        """
-        if self.parallel.device_type != "cpu" or not isinstance(self.model, FSDPModule):
-            return
-        self.model.set_requires_gradient_sync(last_backward)
-        self.model.set_reshard_after_backward(last_backward)
+        return self.data_parallel.gradient_sync(last_backward)
 
     def _sum_over_dp(self, sums: dict[str, float], micro_tokens: list[int]) -> tuple[dict[str, float], list]:
         """Metric sums over the DP group, and every DP rank's real-token count per micro-batch."""
@@ -287,28 +266,29 @@ class TrainEngine:
         return total, [tokens for _, tokens in gathered]
 
     @torch.no_grad()
-    def infer_batch(
-        self, data: TensorDict, spec: MicroBatchSpec, temperature: float = 1.0, calculate_entropy: bool = False,
-        plan=None,
-    ) -> TensorDict:
+    def infer_batch(self, data: TensorDict, plan: MiniBatchPlan, temperature: float = 1.0,
+                    calculate_entropy: bool = False) -> TensorDict:
         """`log_probs` (+`entropy`) for actor/ref, `values` for a critic: (B, R), input row order.
-        `plan`: an optional central micro-batch plan, as in `forward_backward_batch`."""
-        _, plan, _ = self._preflight(data, spec, plan)
+        `plan`: as in `forward_backward_batch`. Collective."""
+        _, micro_batches, _ = self._preflight(data, plan)
         opts = self._forward_options(temperature, calculate_entropy)
         self.model.eval()
         per_key: dict[str, list[torch.Tensor]] = {}
-        for micro in split_micro_batches(data, plan):
-            outputs = forward_micro_batch(self.model, micro.to(self.parallel.device), opts, self.parallel)
-            for key, value in outputs.items():
+        for rows in micro_batches:
+            if not len(rows):
+                self._run_dummy(self.model, data["input_ids"].shape[1], data["responses"].shape[1], opts,
+                                backward=False)
+                continue
+            micro = data[torch.as_tensor(rows, dtype=torch.int64)].to(self.parallel.device)
+            for key, value in forward_micro_batch(self.model, micro, opts, self.parallel).items():
                 per_key.setdefault(key, []).append(value.detach())
-        for _ in range(plan.num_dummy):
-            self._run_dummy(self.model, data["input_ids"].shape[1], data["responses"].shape[1], opts, backward=False)
         batch = data.batch_size[0]
         if batch == 0:
             keys = ["values"] if opts.is_critic else ["log_probs"] + (["entropy"] if calculate_entropy else [])
             empty = torch.zeros(0, data["responses"].shape[1], device=self.parallel.device)
             return TensorDict({k: empty.clone() for k in keys}, batch_size=[0])
-        restored = {key: restore_order(values, plan) for key, values in per_key.items()}
+        real = tuple(rows for rows in micro_batches if len(rows))
+        restored = {key: restore_order(values, real) for key, values in per_key.items()}
         return TensorDict(restored, batch_size=[batch])
 
     # ------------------------------------------------------------------ optimizer

@@ -3,9 +3,9 @@
 1. Ulysses: attention is routed through `ballast.engine.attention` (which does the all-to-alls when a
    context with an SP group is passed) and the head counts are checked against sp;
 2. activation checkpointing of every decoder layer (optional);
-3. FSDP2 `fully_shard` of every decoder layer, then of the root, over the flattened dp x sp mesh,
-   with bf16 compute / fp32 reduction on CUDA (fp32 throughout on CPU) and optional CPU offload
-   (CUDA only);
+3. data parallelism (`ballast.engine.data_parallel`): FSDP2 `fully_shard` of every decoder layer,
+   then of the root, over the parameter mesh, with bf16 compute / fp32 reduction on CUDA (fp32
+   throughout on CPU) and optional CPU offload (CUDA only), or whole replicas (below);
 4. gradient reduction switched from FSDP's default average over the mesh to a plain SUM.
 
 Why 4: each rank's loss is its exact share of the mini-batch loss (`ballast.engine.losses`), and the
@@ -14,14 +14,15 @@ mini-batch gradient is therefore the sum over all dp x sp ranks. FSDP's default 
 dp * sp. The divide factor must be set on every FSDP module (each reduces its own parameters), and
 sum-only reductions are forced because gloo has no pre-multiplied sum.
 
-Whole replicas (`fsdp_size=1` with two or more ranks, fp32 compute, no offload) skip step 3: every
-rank holds the whole model, so FSDP2 would shard nothing, yet it would still copy each layer's
-gradients into a flat buffer, divide them by the factor 1 into a new buffer and copy that into a
-third before all-reducing it (three passes over the gradients per backward). Instead the model stays
-a plain module and a trainable one is wrapped in `DistributedDataParallel`, whose gradients are views
-into its all-reduce buckets (no copies) and whose bucket all-reduces start during backward; its
-communication hook sums (step 4) instead of averaging. A frozen model (the reference) needs no
-wrapper at all. With bf16 compute the FSDP2 path stays: DDP has no parameter-cast policy.
+Whole replicas (`fsdp_size=1` with two or more ranks, fp32 compute, no offload: `choose_mode`) are
+not FSDP2-wrapped: every rank holds the whole model, so FSDP2 would shard nothing, yet it would still
+copy each layer's gradients into a flat buffer, divide them by the factor 1 into a new buffer and
+copy that into a third before all-reducing it (three passes over the gradients per backward).
+Instead the model stays a plain module and a trainable one is wrapped in `DistributedDataParallel`,
+whose gradients are views into its all-reduce buckets (no copies) and whose bucket all-reduces start
+during backward; its communication hook sums (step 4) instead of averaging. A frozen model (the
+reference) needs no wrapper at all. With bf16 compute the FSDP2 path stays: DDP has no
+parameter-cast policy.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from transformers import PreTrainedModel
 
 from ballast.engine import attention
 from ballast.engine.config import EngineConfig
-from ballast.engine.dist import ParallelState
+from ballast.engine.data_parallel import DataParallel, DataParallelMode, choose_mode, defers_fsdp_reduction
+from ballast.engine.dist import ParallelState, resolve_shard_size
 from ballast.engine.model import decoder_layer_classes
 
 
@@ -55,11 +57,11 @@ def check_ulysses_compatible(model: PreTrainedModel, sp_size: int) -> None:
         )
 
 
-def whole_replicas(parallel: ParallelState, cfg: EngineConfig) -> bool:
-    """True when every rank holds the whole model in fp32 and there are peers to reduce with:
-    the model is then replicated (plain module, DDP when trainable) instead of FSDP2-wrapped."""
-    return (parallel.world_size > 1 and parallel.fsdp_shard_size == 1 and not cfg.cpu_offload
-            and compute_dtype(cfg, parallel.device_type) == torch.float32)
+def data_parallel_mode(cfg: EngineConfig, world_size: int, device_type: str) -> DataParallelMode:
+    """The mode `parallelize` will give an engine configured by `cfg` on `world_size` ranks of
+    `device_type` ('cpu' or 'cuda'); needs no model or process group (`choose_mode` on the config)."""
+    return choose_mode(world_size, resolve_shard_size(cfg.fsdp_size, world_size), cfg.cpu_offload,
+                       compute_dtype(cfg, device_type), cfg.trainable)
 
 
 def _sum_allreduce_hook(group, bucket):
@@ -71,11 +73,11 @@ def _sum_allreduce_hook(group, bucket):
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
-def _replicate(model: PreTrainedModel, parallel: ParallelState, trainable: bool) -> torch.nn.Module:
+def _replicate(model: PreTrainedModel, parallel: ParallelState, mode: DataParallelMode) -> DataParallel:
     # The model is loaded on the host; FSDP2 would move it to the mesh's device, a replica moves itself.
     model.to(parallel.device)
-    if not trainable:
-        return model
+    if mode is DataParallelMode.REPLICA:
+        return DataParallel(model, mode, defer_reduction=False)
     group = parallel.replica_group
     ddp = DistributedDataParallel(
         model,
@@ -85,14 +87,16 @@ def _replicate(model: PreTrainedModel, parallel: ParallelState, trainable: bool)
         gradient_as_bucket_view=True,
     )
     ddp.register_comm_hook(group, _sum_allreduce_hook)
-    return ddp
+    # On every device: a replica's gradients are whole whether they are reduced once or every time.
+    return DataParallel(ddp, mode, defer_reduction=True)
 
 
-def parallelize(model: PreTrainedModel, parallel: ParallelState, cfg: EngineConfig) -> torch.nn.Module:
+def parallelize(model: PreTrainedModel, parallel: ParallelState, cfg: EngineConfig) -> DataParallel:
     """Apply Ulysses routing, activation checkpointing and FSDP2 (or replication) to `model` in place.
 
-    Returns the module training forwards must go through: `model` itself (FSDP2 turns it into an
-    `FSDPModule` in place; a frozen replica), or a `DistributedDataParallel` wrapper around it.
+    Returns the data-parallel strategy: its `module` is what training forwards must go through,
+    `model` itself (FSDP2 turns it into an `FSDPModule` in place; a frozen replica) or a
+    `DistributedDataParallel` wrapper around it.
     """
     # 1. Ulysses / packed attention routing
     attention.install(model)
@@ -102,17 +106,24 @@ def parallelize(model: PreTrainedModel, parallel: ParallelState, cfg: EngineConf
     if cfg.enable_activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
-    # 3. FSDP2
+    # 3. data parallelism
     if cfg.cpu_offload and parallel.device_type != "cuda":
         raise ValueError(
             "cpu_offload=True offloads parameters from a GPU to host memory; on a CPU-only engine "
             "(device='cpu') there is nothing to offload — set cpu_offload=False"
         )
-    if whole_replicas(parallel, cfg):
-        return _replicate(model, parallel, cfg.trainable)
     dtype = compute_dtype(cfg, parallel.device_type)
+    mode = choose_mode(parallel.world_size, parallel.shard_size, cfg.cpu_offload, dtype, cfg.trainable)
+    if mode is not DataParallelMode.FSDP:
+        return _replicate(model, parallel, mode)
+    _fully_shard(model, parallel, cfg, dtype)
+    return DataParallel(model, mode, defer_reduction=defers_fsdp_reduction(parallel.device_type))
+
+
+def _fully_shard(model: PreTrainedModel, parallel: ParallelState, cfg: EngineConfig, dtype: torch.dtype) -> None:
+    """FSDP2 on every decoder layer, then the root, with the gradient reduction switched to SUM."""
     mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    shard_kwargs = dict(mesh=parallel.fsdp_mesh, mp_policy=mp_policy)
+    shard_kwargs = dict(mesh=parallel.param_mesh, mp_policy=mp_policy)
     if cfg.cpu_offload:
         shard_kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
     layer_classes = decoder_layer_classes(model)
@@ -127,4 +138,3 @@ def parallelize(model: PreTrainedModel, parallel: ParallelState, cfg: EngineConf
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
-    return model

@@ -15,7 +15,6 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-METRICS_KEY = "metrics"
 """Meta key holding a `dict[str, list]` of per-step observations; `concat` and `union` extend the lists."""
 
 
@@ -204,7 +203,7 @@ def values_equal(a: Any, b: Any) -> bool:
 
 
 def merge_meta(metas: list[dict], what: str, same_keys: bool) -> dict:
-    """Merge the meta dicts of several batches; `meta["metrics"]` lists are extended in order.
+    """Merge the meta dicts of several batches.
 
     A key present in several dicts must hold equal values. With `same_keys` (concat: the batches are
     parts of one batch) every dict must also have the same keys; without it (union) keys are pooled.
@@ -214,8 +213,6 @@ def merge_meta(metas: list[dict], what: str, same_keys: bool) -> dict:
     holders: dict = {}
     for position, meta in enumerate(metas):
         for key, value in meta.items():
-            if key == METRICS_KEY:
-                continue
             if key not in merged:
                 merged[key], holders[key] = value, position
             elif not values_equal(merged[key], value):
@@ -230,23 +227,6 @@ def merge_meta(metas: list[dict], what: str, same_keys: bool) -> dict:
                     raise ValueError(
                         f"meta key {key!r} is in {what} {holders[key]} but not in {what} {position}"
                     )
-    if any(METRICS_KEY in meta for meta in metas):
-        merged[METRICS_KEY] = merge_metrics([meta.get(METRICS_KEY, {}) for meta in metas])
-    return merged
-
-
-def merge_metrics(metrics_dicts: list[Mapping]) -> dict[str, list]:
-    """Extend per-key lists in order; a scalar value counts as a one-element list."""
-    merged: dict[str, list] = {}
-    for metrics in metrics_dicts:
-        if not isinstance(metrics, Mapping):
-            raise TypeError(f"meta[{METRICS_KEY!r}] must be a dict[str, list], got {type(metrics).__name__}")
-        for name, values in metrics.items():
-            bucket = merged.setdefault(name, [])
-            if isinstance(values, (list, tuple)):
-                bucket.extend(values)
-            else:
-                bucket.append(values)
     return merged
 
 

@@ -25,7 +25,6 @@ import torch
 from tensordict import TensorDict
 
 from ballast.protocol import _checks
-from ballast.protocol._checks import METRICS_KEY
 from ballast.protocol.serialization import STATE_VERSION, tensors_from_state, tensors_to_state
 
 PAD_COUNT_KEY = "pad_count"
@@ -57,10 +56,6 @@ class Batch:
         if meta is not None and not isinstance(meta, Mapping):
             raise TypeError(f"meta must be a dict, got {type(meta).__name__}")
         meta = dict(meta or {})
-        if METRICS_KEY in meta and not isinstance(meta[METRICS_KEY], Mapping):
-            raise TypeError(
-                f"meta[{METRICS_KEY!r}] must be a dict[str, list], got {type(meta[METRICS_KEY]).__name__}"
-            )
         self._tensors = TensorDict(tensor_items, batch_size=[num_samples])
         self._non_tensors: dict[str, np.ndarray] = array_items
         self.meta: dict[str, Any] = meta

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Sequence, Tuple
 
-from ballast.protocol import Batch
+from ballast.protocol import Batch, Output
 from ballast.single_controller.worker import MeshInfo
 
 
@@ -43,16 +43,18 @@ def split_args(args: Sequence[Any], kwargs: Dict[str, Any], num_chunks: int, pad
 
 
 def concat_results(results: Sequence[Any], pad_count: int, what: str) -> Any:
-    """Concatenate per-rank Batch results in order and drop the padding the dispatch added."""
+    """Concatenate per-rank Batch (or `Output`) results in order and drop the padding the dispatch added."""
     if not results:
         return results
+    if all(isinstance(r, Output) for r in results):
+        return Output.concat(results, pad_count)
     if all(isinstance(r, Batch) for r in results):
         merged = Batch.concat(results)
         if pad_count:
             merged = merged.unpad(pad_count)
         return merged
-    if any(isinstance(r, Batch) for r in results):
-        raise TypeError(f"{what}: some ranks returned a Batch and others {[type(r).__name__ for r in results]}")
+    if any(isinstance(r, (Batch, Output)) for r in results):
+        raise TypeError(f"{what}: ranks returned mixed types {[type(r).__name__ for r in results]}")
     if pad_count:
         raise TypeError(f"{what}: padding was added but the results are not Batches; cannot remove it")
     return list(results)

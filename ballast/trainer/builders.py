@@ -3,7 +3,8 @@
 This is the only place where config keys meet engine/rollout/worker objects, so the mapping of each
 verl key to what it controls can be read in one file. The engine and rollout specs check their own
 fields; `build` reports a failed check as a `ConfigError` naming the config key that fed the field.
-`check_config` builds these specs once at start-up, so their errors come before any worker starts.
+`ballast.trainer.run_plan.plan_run` builds these specs once, before Ray starts, so their errors come
+before any worker exists, and the workers are constructed from those same objects.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Optional, Tuple
 
 from ballast.engine import EngineConfig, OptimConfig
 from ballast.trainer.algorithms.policy_loss import ActorLossConfig, CriticLossConfig, actor_loss, critic_loss
-from ballast.trainer.config import BallastConfig, DerivedSizes
+from ballast.trainer.config import BallastConfig, DerivedSizes, role_fsdp
 from ballast.trainer.config.keys import build
 from ballast.trainer.config.schema import OptimSection
 from ballast.trainer.reward import OverlongBuffer
@@ -56,8 +57,8 @@ def engine_optim(optim: OptimSection, total_steps: int, prefix: str = "optim") -
                  min_lr_ratio=optim.min_lr_ratio)
 
 
-def _engine(cfg: BallastConfig, role: str, model, sp: int, grad_clip: Optional[float], optim, fsdp) -> EngineConfig:
-    prefix = ROLE_PREFIX[role]
+def _engine(cfg: BallastConfig, role: str, model, sp: int, grad_clip: Optional[float], optim) -> EngineConfig:
+    prefix, fsdp = ROLE_PREFIX[role], role_fsdp(cfg, role)
     keys = {"device": "trainer.device", "ulysses_sequence_parallel_size": f"{prefix}.ulysses_sequence_parallel_size",
             "grad_clip": f"{prefix}.grad_clip", "model_path": f"{MODEL_PREFIX[role]}.path"}
     return build(
@@ -65,11 +66,9 @@ def _engine(cfg: BallastConfig, role: str, model, sp: int, grad_clip: Optional[f
         ulysses_sequence_parallel_size=sp, device=cfg.trainer.device,
         enable_activation_checkpointing=model.enable_gradient_checkpointing,
         # FSDP2 CPU offload: verl's offload_policy; for the optimizer-less reference also its param_offload.
-        cpu_offload=bool(fsdp.offload_policy or (role == "ref" and fsdp.param_offload)
-                         or (role == "critic" and model.fsdp_config.offload_policy)),
+        cpu_offload=bool(fsdp.offload_policy or (role == "ref" and fsdp.param_offload)),
         reshard_after_forward=fsdp.reshard_after_forward, grad_clip=grad_clip, optim=optim,
-        # verl builds one device mesh per worker from the actor's fsdp_size; the reference model shares it.
-        fsdp_size=(cfg.actor_rollout_ref.actor.fsdp_config if role == "ref" else fsdp).fsdp_size,
+        fsdp_size=fsdp.fsdp_size,
         trust_remote_code=model.trust_remote_code,
     )
 
@@ -115,7 +114,7 @@ def actor_loss_config(cfg: BallastConfig) -> ActorLossConfig:
     return ActorLossConfig(
         loss_mode=a.policy_loss.loss_mode, clip_ratio_low=a.clip_ratio_low if a.clip_ratio_low is not None else a.clip_ratio,
         clip_ratio_high=a.clip_ratio_high if a.clip_ratio_high is not None else a.clip_ratio,
-        clip_ratio_c=a.clip_ratio_c, loss_agg_mode=a.loss_agg_mode, loss_scale_factor=a.loss_scale_factor,
+        clip_ratio_c=a.clip_ratio_c, loss_agg_mode=str(a.loss_agg_mode), loss_scale_factor=a.loss_scale_factor,
         entropy_coeff=a.entropy_coeff,
         use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type,
     )
@@ -126,24 +125,19 @@ def actor_rollout_ref_spec(cfg: BallastConfig, sizes: DerivedSizes, total_steps:
     actor = arr.actor
     temperature = arr.rollout.temperature if arr.rollout.do_sample else 1.0
     actor_engine = _engine(cfg, "actor", arr.model, sizes.actor.sp_size, actor.grad_clip,
-                           engine_optim(actor.optim, total_steps, "actor_rollout_ref.actor.optim"), actor.fsdp_config)
+                           engine_optim(actor.optim, total_steps, "actor_rollout_ref.actor.optim"))
     train = TrainLoopSpec(
-        mini_batch_samples_per_rank=sizes.actor.mini_batch_samples_per_rank, ppo_epochs=actor.ppo_epochs,
-        shuffle=actor.shuffle, seed=cfg.trainer.seed, micro=sizes.actor.train,
         loss_fn=functools.partial(actor_loss, cfg=actor_loss_config(cfg)), temperature=temperature,
         calculate_entropy=actor.entropy_coeff > 0 or actor.calculate_entropy,
         grad_clip_min_batch_size=actor.grad_clip_min_batch_size if actor.grad_clip_adaptive else None,
     )
-    ref_engine = ref_infer = None
+    ref_engine = None
     if sizes.ref is not None:
-        ref_engine = _engine(cfg, "ref", arr.model, sizes.ref.sp_size, None, OptimConfig(lr=0.0), arr.ref.fsdp_config)
-        ref_infer = sizes.ref.infer
+        ref_engine = _engine(cfg, "ref", arr.model, sizes.ref.sp_size, None, OptimConfig(lr=0.0))
     _, val_sampling = sampling_configs(cfg)
     return ActorRolloutRefSpec(
-        actor=actor_engine, actor_train=train,
-        actor_infer=sizes.actor.infer,
-        rollout=rollout_config(cfg),
-        rollout_val_sampling=val_sampling, ref=ref_engine, ref_infer=ref_infer, temperature=temperature,
+        actor=actor_engine, actor_train=train, rollout=rollout_config(cfg),
+        rollout_val_sampling=val_sampling, ref=ref_engine, temperature=temperature,
         seed=cfg.trainer.seed, dist_timeout_s=cfg.trainer.worker_timeout_s,
     )
 
@@ -151,15 +145,12 @@ def actor_rollout_ref_spec(cfg: BallastConfig, sizes: DerivedSizes, total_steps:
 def critic_spec(cfg: BallastConfig, sizes: DerivedSizes, total_steps: int) -> CriticSpec:
     c = cfg.critic
     engine = _engine(cfg, "critic", c.model, sizes.critic.sp_size, c.grad_clip,
-                     engine_optim(c.optim, total_steps, "critic.optim"), c.fsdp_config)
+                     engine_optim(c.optim, total_steps, "critic.optim"))
     loss = functools.partial(critic_loss, cfg=CriticLossConfig(cliprange_value=c.cliprange_value,
-                                                               loss_agg_mode=c.loss_agg_mode,
+                                                               loss_agg_mode=str(c.loss_agg_mode),
                                                                loss_scale_factor=c.loss_scale_factor))
-    train = TrainLoopSpec(
-        mini_batch_samples_per_rank=sizes.critic.mini_batch_samples_per_rank, ppo_epochs=c.ppo_epochs,
-        shuffle=c.shuffle, seed=cfg.trainer.seed, micro=sizes.critic.train, loss_fn=loss,
-    )
-    return CriticSpec(critic=engine, train=train, infer=sizes.critic.infer, seed=cfg.trainer.seed,
+    train = TrainLoopSpec(loss_fn=loss)
+    return CriticSpec(critic=engine, train=train, seed=cfg.trainer.seed,
                       dist_timeout_s=cfg.trainer.worker_timeout_s)
 
 

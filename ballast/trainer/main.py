@@ -1,8 +1,10 @@
 """Command-line entry point: `python -m ballast.trainer.main [hydra overrides]` (or `ballast-train`).
 
-Hydra composes `configs/ppo_trainer.yaml` (or `--config-name quickstart`) with verl-style overrides;
-the result is validated once into a frozen config plus derived sizes before any worker starts.
-`--cfg job` prints the composed config without running.
+Hydra composes `configs/ppo_trainer.yaml` (or `--config-name quickstart`) with verl-style overrides.
+Before Ray starts, `prepare` loads it into the frozen typed config, reads the model's config, the
+data and the reward function, and plans the run (`plan_run`: the start-up check, which builds the
+derived sizes and every worker spec once); `training_session` then starts Ray and constructs the
+workers from that plan. `--cfg job` prints the composed config without running.
 
 A failed run ends with one line on stderr saying why and an exit code a scheduler can act on:
 0 done, 2 bad config, input or environment (config, data, model files, tokenizer, reward function,
@@ -22,6 +24,7 @@ import json
 import os
 import random
 import sys
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Tuple
 
 import hydra
@@ -30,12 +33,15 @@ from omegaconf import DictConfig, OmegaConf
 
 from ballast.models.weights_check import ModelFilesError, check_model_files
 from ballast.trainer import signals
-from ballast.trainer.config import BallastConfig, ConfigError, ModelInfo, check_config, to_typed
+from ballast.trainer.config import BallastConfig, ConfigError, ModelInfo, to_typed, uses_critic
 from ballast.trainer.config.gpu_memory import check_rollout_gpu_memory_at_start
 from ballast.trainer.ray_session import RaySession, RayUnavailableError, probe_ray_address, start_ray  # noqa: F401
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # they load torch; the command line imports them once it runs
     from ballast.trainer.checkpointing import ResumePoint
+    from ballast.trainer.data_setup import RunData
+    from ballast.trainer.reward import RewardManager
+    from ballast.trainer.run_plan import RunPlan
 
 EXIT_BAD_INPUT = 2
 EXIT_WORKER_FAILED = 3
@@ -67,22 +73,74 @@ def absolute_paths(cfg: BallastConfig) -> BallastConfig:
                                custom_reward_function=custom)
 
 
-def prepare(raw: DictConfig):
-    """Typed config (absolute paths) + derived sizes, or a `ConfigError` naming what is wrong."""
+@dataclass(frozen=True)
+class PreparedRun:
+    """A run checked and read before Ray starts: its config (absolute paths), plan, data and reward."""
+
+    cfg: BallastConfig
+    plan: "RunPlan"
+    data: "RunData"
+    reward: "RewardManager"
+
+
+def prepare(raw: DictConfig) -> PreparedRun:
+    """The run `raw` describes, or a `ConfigError` (`InputError` for its files) naming what is wrong."""
     return prepare_typed(to_typed(raw))
 
 
-def prepare_typed(cfg: BallastConfig):
+def prepare_typed(cfg: BallastConfig) -> PreparedRun:
+    """Model files, then the data (it decides the step count the plan needs), then the plan, the
+    rollout backend and the reward function; all before Ray starts."""
+    from ballast.trainer.builders import overlong_buffer
+    from ballast.trainer.reward import RewardManager
+    from ballast.trainer.run_plan import plan_run
+
     cfg = absolute_paths(cfg)
     model = ModelInfo.from_dir(cfg.actor_rollout_ref.model.path)
-    sizes = check_config(cfg, model)
+    _check_model_files(cfg)
+    tokenizer, data = read_data(cfg)
+    plan = plan_run(cfg, model, data.total_steps)
+    _check_rollout_backend(cfg)
+    try:
+        reward = RewardManager.from_config(tokenizer, cfg.custom_reward_function.path, cfg.custom_reward_function.name,
+                                           cfg.data.reward_fn_key, overlong_buffer(cfg), cfg.reward.timeout_s,
+                                           str(cfg.reward_model.reward_manager))
+    except (ValueError, OSError, ImportError) as err:  # the messages name the file and the function
+        raise InputError(str(err)) from err
+    return PreparedRun(cfg=cfg, plan=plan, data=data, reward=reward)
+
+
+def read_data(cfg: BallastConfig):
+    """(tokenizer, `RunData`): the driver's random generators seeded, then the prompts read and tokenized."""
+    import torch
+
+    from ballast.models import load_tokenizer
+    from ballast.trainer.data_setup import RunData
+
+    random.seed(cfg.trainer.seed)
+    np.random.seed(cfg.trainer.seed)
+    torch.manual_seed(cfg.trainer.seed)
+    arr = cfg.actor_rollout_ref
+    try:
+        tokenizer = load_tokenizer(arr.model.tokenizer_path or arr.model.path)
+        return tokenizer, RunData(cfg, tokenizer)
+    except ConfigError:
+        raise  # a setting the dataset or loader refused, named by its key
+    except (ValueError, OSError, ImportError) as err:  # the messages name the file, row or path
+        raise InputError(str(err)) from err
+
+
+def _check_model_files(cfg: BallastConfig) -> None:
     for key, path in (("actor_rollout_ref.model.path", cfg.actor_rollout_ref.model.path),
-                      ("critic.model.path", cfg.critic.model.path if sizes.use_critic else None)):
+                      ("critic.model.path", cfg.critic.model.path if uses_critic(cfg) else None)):
         if path and os.path.isdir(path):
             try:
                 check_model_files(path)
             except ModelFilesError as err:
                 raise InputError(f"{key}: {err}") from None
+
+
+def _check_rollout_backend(cfg: BallastConfig) -> None:
     if cfg.actor_rollout_ref.rollout.name == "vllm":
         try:
             import vllm  # noqa: F401
@@ -92,66 +150,38 @@ def prepare_typed(cfg: BallastConfig):
                 "run scripts/setup.sh or use actor_rollout_ref.rollout.name=hf"
             ) from err
         check_rollout_gpu_memory_at_start(cfg)
-    return cfg, sizes
 
 
 @contextlib.contextmanager
-def training_session(cfg: BallastConfig, sizes, raw_config: Optional[dict] = None,
+def training_session(prepared: PreparedRun, raw_config: Optional[dict] = None,
                      resume: Optional[ResumePoint] = None):
-    """Data, Ray, workers and trackers for one run; yields the `RayPPOTrainer`, already at `resume`
+    """Ray, workers and trackers for one prepared run; yields the `RayPPOTrainer`, already at `resume`
     (default: `trainer.resume_mode` resolved here, without the run-directory checks of the command
     line), and cleans up after (`shutdown`), however the block ends."""
     from tqdm import tqdm
 
-    from ballast.trainer.builders import worker_specs
     from ballast.trainer.preflight import resume_point
     from ballast.trainer.ray_trainer import RayPPOTrainer
     from ballast.trainer.roles import create_workers
     from ballast.trainer.tracking import Tracker
 
-    data, reward = _load_inputs(cfg)
-    # Built again now that the step count is known (the optimizer schedule depends on it), before Ray starts.
-    specs = worker_specs(cfg, sizes, data.total_steps)
+    cfg, plan = prepared.cfg, prepared.plan
     ray_session = tracker = workers = None
     try:
         ray_session = start_ray(cfg)
         signals.reinstall()  # ray.init replaced the command line's handlers
         tracker = Tracker(cfg.trainer.logger, cfg.trainer.project_name, cfg.trainer.experiment_name,
                           cfg.trainer.default_local_dir, config=raw_config, console=tqdm.write)
-        print("ballast: derived sizes\n  " + "\n  ".join(sizes.summary()), flush=True)
-        workers = create_workers(cfg, sizes, specs)
+        print("ballast: derived sizes\n  " + "\n  ".join(plan.sizes.summary()), flush=True)
+        workers = create_workers(cfg, plan.sizes, plan.specs)
         record_workers(workers, cfg.trainer.default_local_dir)
         with open(os.path.join(cfg.actor_rollout_ref.model.path, "config.json")) as f:
             model_config = json.load(f)
-        trainer = RayPPOTrainer(cfg, sizes, data, workers, reward, tracker, model_config)
+        trainer = RayPPOTrainer(cfg, plan.sizes, prepared.data, workers, prepared.reward, tracker, model_config)
         trainer.resume(resume if resume is not None else resume_point(cfg.trainer))
         yield trainer
     finally:
         shutdown(sys.exc_info()[1], tracker, workers, ray_session)
-
-
-def _load_inputs(cfg: BallastConfig):
-    """(RunData, RewardManager), seeded, before Ray starts; unusable input is an `InputError`."""
-    import torch
-
-    from ballast.models import load_tokenizer
-    from ballast.trainer.builders import overlong_buffer
-    from ballast.trainer.data_setup import RunData
-    from ballast.trainer.reward import RewardManager
-
-    random.seed(cfg.trainer.seed)
-    np.random.seed(cfg.trainer.seed)
-    torch.manual_seed(cfg.trainer.seed)
-    model = cfg.actor_rollout_ref.model
-    try:
-        tokenizer = load_tokenizer(model.tokenizer_path or model.path)
-        data = RunData(cfg, tokenizer)
-        reward = RewardManager.from_config(tokenizer, cfg.custom_reward_function.path,
-                                           cfg.custom_reward_function.name, cfg.data.reward_fn_key,
-                                           overlong_buffer(cfg), cfg.reward.timeout_s)
-    except (ValueError, OSError, ImportError) as err:  # the messages name the file, row or path
-        raise InputError(str(err)) from err
-    return data, reward
 
 
 def shutdown(err: Optional[BaseException], tracker, workers, ray_session: Optional[RaySession]) -> None:
@@ -174,9 +204,9 @@ def shutdown(err: Optional[BaseException], tracker, workers, ray_session: Option
                     ray_session.stop()
 
 
-def run(cfg: BallastConfig, sizes, raw_config: Optional[dict] = None, resume: Optional[ResumePoint] = None) -> dict:
+def run(prepared: PreparedRun, raw_config: Optional[dict] = None, resume: Optional[ResumePoint] = None) -> dict:
     """Train from `resume` (see `training_session`); returns the last step's metrics."""
-    with training_session(cfg, sizes, raw_config, resume) as trainer:
+    with training_session(prepared, raw_config, resume) as trainer:
         return trainer.fit()
 
 
@@ -260,9 +290,9 @@ def cli_run(raw: DictConfig, exiting: bool = False) -> int:
     lock = None
     signals.install(save_first=bool(OmegaConf.select(raw, "trainer.save_on_signal", default=False)), exiting=exiting)
     try:
-        cfg, sizes = prepare(raw)
-        point, lock = claim_run_dir(cfg)
-        run(cfg, sizes, OmegaConf.to_container(raw, resolve=True), point)
+        prepared = prepare(raw)
+        point, lock = claim_run_dir(prepared.cfg)
+        run(prepared, OmegaConf.to_container(raw, resolve=True), point)
         return 0
     except (KeyboardInterrupt, Exception) as err:
         signals.begin_shutdown()  # the outcome is decided: a signal from here on is only noted

@@ -35,24 +35,23 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ballast.balance import BalancePlan, FlopsModel, balance_metrics, workload_costs
-from ballast.protocol import METRICS_KEY, Batch
+from ballast.balance import FlopsModel, PhasePlan, balance_metrics, workload_costs
+from ballast.protocol import Batch
 from ballast.trainer.algorithms import get_adv_estimator, kl_penalty, make_kl_controller, masked_mean
 from ballast.trainer.algorithms.policy_loss import actor_constant_metrics
 from ballast.trainer.builders import actor_loss_config
 from ballast.trainer.charts import per_rank_tokens
 from ballast.trainer.checkpointing import CheckpointManager, ResumePoint, rng_state, set_rng_state
 from ballast.trainer.config import BallastConfig, DerivedSizes
-from ballast.trainer.data_setup import RunData
-from ballast.trainer.dynamic_sampling import count_groups, filter_metric_values, informative_groups, sampling_metrics
+from ballast.trainer.data_setup import DataExhausted, RunData
+from ballast.trainer.dynamic_sampling import DynamicSamplingError, GroupCollector  # noqa: F401 (re-exported)
 from ballast.trainer.metrics import data_metrics, rollout_probs_diff_metrics, throughput_metrics, timing_metrics
 from ballast.trainer.monitor import BalanceMonitor, micro_batch_metrics, rank_load_metrics
-from ballast.trainer.old_log_probs import OldLogProbPass, fill_from_update, old_log_prob_metrics, pass_layout
-from ballast.trainer.step_plans import UpdatePlan, UpdatePlanner
+from ballast.trainer.old_log_probs import OldLogProbPhase, old_log_prob_metrics
+from ballast.trainer.step_plans import StepPlanner, epoch_partitions, plan_metrics, row_lengths
 from ballast.workers.actor_rollout_ref import UPDATE_WEIGHTS_METRIC
 from ballast.workers.rollout.base import validation_call_index
-from ballast.workers.train_loop import LOG_PROB_PLAN_KEY, MINI_BATCH_PLANS_KEY
-from ballast.workers.on_policy import FROM_UPDATE_KEY, first_mini_batch_mode
+from ballast.workers.on_policy import OldLogProbMode
 from ballast.trainer.reward import RewardManager
 from ballast.trainer.roles import Workers
 from ballast.trainer.tracking import Tracker, format_validation, progress_postfix
@@ -62,10 +61,6 @@ from ballast.trainer import signals
 
 # Rollout call indices (sampling seeds) of the extra generation batches of dynamic sampling.
 EXTRA_GENERATION_CALL_STRIDE = 1 << 24
-
-
-class DynamicSamplingError(RuntimeError):
-    """algorithm.filter_groups could not fill a training batch within max_num_gen_batches."""
 
 
 class NonFiniteStepsError(RuntimeError):
@@ -82,15 +77,9 @@ class RayPPOTrainer:
         self.kl_ctrl = make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         workload = cfg.trainer.balance_workload
         self.workload = FlopsModel.from_hf_config(model_config) if workload == "flops" else workload
-        self.planner = UpdatePlanner(cfg, sizes, self.workload)
         self.total_steps = data.total_steps
         self.actor_loss_cfg = actor_loss_config(cfg)
-        # The first mini-batch's old log-probs come from the update's own forward: no separate pass
-        # with one mini-batch, a pass over the other rows otherwise (see ballast.workers.on_policy).
-        self.old_log_prob_mode = first_mini_batch_mode(
-            sizes.actor.num_mini_batches, cfg.actor_rollout_ref.actor.ppo_epochs, cfg.algorithm.use_kl_in_reward,
-            central_plan=self.planner.plans_centrally("actor"))
-        self.old_log_probs = OldLogProbPass(cfg, sizes, self.workload, self.old_log_prob_mode)
+        self.old_log_probs = OldLogProbPhase(cfg, sizes)
         self.global_step = 0
         self._nonfinite_in_a_row = 0
         self._pending_metrics: Dict[str, float] = {}  # measured after a step's row was logged
@@ -117,7 +106,11 @@ class RayPPOTrainer:
         try:
             while self.global_step < self.total_steps:
                 step = self.global_step + 1
-                metrics = self.train_step(self.data.next_prompts(step), step)
+                try:
+                    metrics = self.train_step(self.data.next_prompts(step), step)
+                except DataExhausted as end:
+                    self.end_of_data(end)
+                    break
                 metrics.update(self._pending_metrics)
                 self._pending_metrics = {}
                 self.global_step = step
@@ -153,33 +146,31 @@ class RayPPOTrainer:
         with _timer(timing, "step"):
             batch = self.generate_and_score(prompts, step, timing, metrics)
             updates_actor = actor_updates_at(step, self.cfg.trainer.critic_warmup)
+            plans = StepPlanner(self.cfg, self.sizes, self.workload, batch, self.global_step, self.workers.objectives)
             with _timer(timing, "balance"):
-                metrics.update(self.balance(batch))
-                actor_plan = self.plan_update(batch, "actor") if updates_actor else None
-            from_update = self.old_log_probs.rows_from_update(actor_plan, len(batch)) if updates_actor else None
-            entropy = torch.zeros(batch["response_mask"].shape, dtype=torch.float32)
-            if from_update is not None:  # placeholders for the update's rows; the whole-step plan is unused
-                batch["old_log_probs"] = torch.zeros(batch["response_mask"].shape, dtype=torch.float32)
-                batch.meta.pop(LOG_PROB_PLAN_KEY, None)
-            if from_update is None or not from_update.all():
+                actor_plan = plans.update("actor") if updates_actor else None
+                separate_pass = self.old_log_probs.before_update or actor_plan is None
+                metrics.update(self.dp_split_metrics(batch, plans.inference("actor") if separate_pass else actor_plan))
+            if separate_pass:
                 with _timer(timing, "old_log_prob"):
-                    metrics.update(self.old_log_probs.run(self.workers.actor_rollout, batch, entropy, from_update))
+                    metrics.update(self.old_log_probs.run_pass(self.workers.actor_rollout, batch, plans.inference("actor")))
             if self.sizes.use_reference:
                 with _timer(timing, "ref"):
-                    batch = batch.union(self.workers.actor_rollout.compute_ref_log_prob(batch))
+                    self.infer(batch, self.workers.actor_rollout.compute_ref_log_prob, plans.inference("ref"))
             if self.sizes.use_critic:
                 with _timer(timing, "values"):
-                    batch = batch.union(self.workers.critic.compute_values(batch))
+                    self.infer(batch, self.workers.critic.compute_values, plans.inference("critic"))
             with _timer(timing, "adv"):
                 metrics.update(self.compute_advantages(batch))
             if self.sizes.use_critic:
                 with _timer(timing, "update_critic"):
-                    critic_batch, plan_metrics = self.central_plan(batch, "critic")
-                    metrics.update(self.workers.critic.update_critic(critic_batch)[0].metrics, **plan_metrics)
+                    critic_plan = plans.update("critic")
+                    result = self.workers.critic.update_critic(batch[critic_plan.rows], critic_plan)[0]
+                    metrics.update(result.metrics, **plan_metrics(critic_plan, "critic"))
             if updates_actor:
                 with _timer(timing, "update_actor"):
-                    metrics.update(self.update_actor(batch, actor_plan, entropy, from_update))
-        metrics.update(old_log_prob_metrics(batch, entropy))
+                    metrics.update(self.update_actor(batch, actor_plan, plans, separate_pass))
+        metrics.update(old_log_prob_metrics(batch, self.actor_loss_cfg))
         metrics.update(data_metrics(batch, self.cfg.data.max_response_length, self.sizes.use_critic))
         self.monitor.report(step)
         metrics.update(timing_metrics(batch, timing))
@@ -189,23 +180,30 @@ class RayPPOTrainer:
         metrics["training/epoch"] = float(self.data.epoch)
         return metrics
 
+    @staticmethod
+    def infer(batch: Batch, call, plan: PhasePlan) -> None:
+        """Run an inference phase on `batch[plan.rows]` and add its outputs to `batch`, in row order."""
+        out = call(batch[plan.rows], plan)
+        index = torch.as_tensor(plan.restore_index())
+        for key in out.tensor_keys:
+            batch[key] = out[key][index]
+
     # ------------------------------------------------------------------ phases
     def generate(self, prompts: Batch, step: int) -> Batch:
         """Repeat each prompt n times (adjacent, same uid) on the driver, then generate."""
         batch = prompts.repeat(self.cfg.actor_rollout_ref.rollout.n, interleave=True)
-        batch.meta["rollout_call_index"] = step
-        out = self.workers.actor_rollout.generate_sequences(batch)
-        out.meta.pop("rollout_call_index", None)
-        synced = out.meta.pop(METRICS_KEY, {}).get(UPDATE_WEIGHTS_METRIC, [])
-        self._weight_sync_s = max(synced, default=0.0)
-        return out
+        out = self.workers.actor_rollout.generate_sequences(batch, call_index=step)
+        self._weight_sync_s = max(out.metrics.get(UPDATE_WEIGHTS_METRIC, []), default=0.0)
+        return out.batch
 
     def generate_and_score(self, prompts: Batch, step: int, timing: Dict[str, float],
                            metrics: Dict[str, float]) -> Batch:
         """Generate and score; with algorithm.filter_groups, keep only informative groups and draw
         more prompts until train_batch_size of them are collected (DAPO's dynamic sampling)."""
         fg = self.cfg.algorithm.filter_groups
-        kept, num_groups, num_gen, evicted = [], 0, 0, 0
+        collector = GroupCollector(fg.metric, self.cfg.data.train_batch_size, self.cfg.actor_rollout_ref.rollout.n,
+                                   fg.max_num_gen_batches, self.data.pad_token_id) if fg.enable else None
+        num_gen = 0
         while True:
             with _timer(timing, "gen"):
                 batch = self.generate(prompts, step + num_gen * EXTRA_GENERATION_CALL_STRIDE)
@@ -214,56 +212,36 @@ class RayPPOTrainer:
             with _timer(timing, "reward"):
                 extras = self._score(batch, step)
             num_gen += 1
-            if not fg.enable:
+            if collector is None:
                 metrics.update(_extra_means(extras))
                 return batch
-            keep = informative_groups(batch["uid"], filter_metric_values(fg.metric, batch["token_level_scores"], extras))
-            evicted += count_groups(batch["uid"]) - count_groups(batch["uid"][keep])
-            kept.append((batch[np.flatnonzero(keep)], {k: v[keep] for k, v in extras.items()}))
-            num_groups += count_groups(batch["uid"][keep])
-            if num_groups >= self.cfg.data.train_batch_size:
+            if collector.add(batch, extras):
                 break
-            if 0 < fg.max_num_gen_batches <= num_gen:
-                raise DynamicSamplingError(
-                    f"algorithm.filter_groups: {num_gen} generation batches (max_num_gen_batches="
-                    f"{fg.max_num_gen_batches}) gave only {num_groups} of data.train_batch_size="
-                    f"{self.cfg.data.train_batch_size} prompt groups whose answers differ in {fg.metric!r}"
-                )
-            prompts = self.data.next_prompts(step, uid_prefix=f"step{step}.gen{num_gen}")
-        batch = Batch.concat([b for b, _ in kept]) if len(kept) > 1 else kept[0][0]
-        size = self.cfg.data.train_batch_size * self.cfg.actor_rollout_ref.rollout.n
-        extras = {k: np.concatenate([e[k] for _, e in kept]) for k in kept[0][1]}
-        metrics.update(_extra_means({k: v[:size] for k, v in extras.items()}))
-        metrics.update(sampling_metrics(num_gen, evicted, len(batch) - size))
-        return batch[:size]
+            try:
+                prompts = self.data.next_prompts(step, uid_prefix=f"step{step}.gen{num_gen}")
+            except DataExhausted as end:
+                raise DataExhausted(f"{end}; the {collector.progress()} collected from {num_gen} generation "
+                                    "batches are not trained on") from None
+        batch, extras, sampling = collector.result()
+        metrics.update(_extra_means(extras))
+        metrics.update(sampling)
+        return batch
 
     def _score(self, batch: Batch, step: int) -> Dict[str, np.ndarray]:
         scores, extras = self.reward(batch, step=step)
         batch["token_level_scores"] = scores
         return extras
 
-    def balance(self, batch: Batch) -> Dict[str, float]:
-        """Reorder so that the contiguous dp split gives every rank a similar workload (in place)."""
-        lengths = batch["attention_mask"].sum(-1).numpy()
-        dp = self.sizes.actor.dp_size
-        groups = batch["uid"] if self.cfg.trainer.balance_keep_groups else None
-        if self.cfg.trainer.balance_batch:
-            # The old-log-prob pass is one mini-batch of the whole step: plan ranks and micro-batches together.
-            order, partitions, micro_plan = pass_layout(lengths, dp, self.old_log_probs.budget(), self.workload, groups)
-            if micro_plan is not None:
-                batch.meta[LOG_PROB_PLAN_KEY] = micro_plan
-        else:
-            order, partitions, _ = pass_layout(lengths, dp, None, self.workload, groups)
-        plan = BalancePlan(order, partitions,
-                           balance_metrics(lengths, workload_costs(lengths, self.workload), partitions, dp))
-        if self.cfg.trainer.balance_batch:
-            batch.reorder(plan.order)
-            metrics = dict(plan.metrics)
-        else:  # report what balancing would have done, but keep the order
-            metrics = {k: v for k, v in plan.metrics.items() if "balanced" not in k}
-        raw, balanced = per_rank_tokens(lengths, plan.partitions, dp)
-        if not self.cfg.trainer.balance_batch:
-            balanced = raw
+    def dp_split_metrics(self, batch: Batch, plan: PhasePlan) -> Dict[str, float]:
+        """verl's raw vs balanced sequence-length metrics: the contiguous split of the step as generated
+        against the DP split `plan` runs (its first epoch), plus per-rank load figures."""
+        lengths = row_lengths(batch)
+        dp = plan.dp_size
+        partitions = epoch_partitions(plan)
+        metrics = balance_metrics(lengths, workload_costs(lengths, self.workload), partitions, dp)
+        if not self.cfg.trainer.balance_batch:  # the split is the contiguous one: report it only
+            metrics = {k: v for k, v in metrics.items() if "balanced" not in k}
+        raw, balanced = per_rank_tokens(lengths, partitions, dp)
         metrics.update(rank_load_metrics(raw, balanced))
         self.monitor.record_balance(lengths, raw, balanced, dp)
         return metrics
@@ -285,41 +263,16 @@ class RayPPOTrainer:
         batch["advantages"], batch["returns"] = adv, returns
         return metrics
 
-    def plan_update(self, batch: Batch, role: str) -> Optional[UpdatePlan]:
-        """The central plan of `role`'s update (see `step_plans`), or None when its ranks plan alone."""
-        if not self.planner.plans_centrally(role):
-            return None
-        groups = batch["uid"] if self.cfg.trainer.balance_keep_groups else None
-        return self.planner.plan(batch["attention_mask"].sum(-1).numpy(), role, self.global_step, groups)
-
-    def central_plan(self, batch: Batch, role: str,
-                     plan: Optional[UpdatePlan] = None) -> tuple[Batch, Dict[str, float]]:
-        """The update batch of `role` laid out by its central plan (`plan`, else planned now), or
-        `batch` unchanged when its ranks plan alone."""
-        plan = plan or self.plan_update(batch, role)
-        if plan is None:
-            return batch, {}
-        planned = batch[plan.rows]
-        planned.meta[MINI_BATCH_PLANS_KEY] = plan.plans
-        return planned, {f"balance/{role}_{key}": value for key, value in plan.metrics.items()}
-
-    def update_actor(self, batch: Batch, plan: Optional[UpdatePlan] = None, entropy: Optional[torch.Tensor] = None,
-                     from_update: Optional[np.ndarray] = None) -> Dict[str, float]:
-        """The actor update; with `from_update`, those rows' old log-probs (placeholders in `batch`)
-        and `entropy` come back from the update's first mini-batch and are written into `batch`."""
-        if from_update is not None:
-            batch[FROM_UPDATE_KEY] = torch.as_tensor(from_update)
-        actor_batch, plan_metrics = self.central_plan(batch, "actor", plan)
-        results = self.workers.actor_rollout.update_actor(actor_batch)
-        if from_update is not None:
-            del batch[FROM_UPDATE_KEY]
-            update_rows = plan.rows if plan is not None else np.arange(len(batch))
-            filled = fill_from_update(batch, entropy, results, update_rows)
-            if filled != int(from_update.sum()):
-                raise RuntimeError(f"the actor update returned old log-probs for {filled} rows, "
-                                   f"expected {int(from_update.sum())}")
+    def update_actor(self, batch: Batch, plan: PhasePlan, plans: StepPlanner, separate_pass: bool) -> Dict[str, float]:
+        """The actor update on `batch[plan.rows]`; without a separate pass, the old log-probs and
+        entropies the update computed are written into `batch`."""
+        mode = OldLogProbMode.PASS if separate_pass else self.old_log_probs.mode
+        rest = None if separate_pass else plans.after_first_mini_batch(plan)
+        results = self.workers.actor_rollout.update_actor(batch[plan.rows], plan, mode, rest)
+        if not separate_pass:
+            self.old_log_probs.take_from_update(batch, results, plan)
         metrics = dict(results[0].metrics)
-        metrics.update(plan_metrics)
+        metrics.update(plan_metrics(plan, "actor"))
         metrics.update(actor_constant_metrics(self.actor_loss_cfg))
         micro_tokens = results[0].micro_batch_tokens
         self.monitor.record_micro_tokens(micro_tokens)
@@ -343,8 +296,8 @@ class RayPPOTrainer:
         val = self.data.val.repeat(self.cfg.actor_rollout_ref.rollout.val_kwargs.n, interleave=True)
         outputs = []
         for i, chunk in enumerate(val.split(self.data.val_batch_size or len(val))):
-            chunk.meta.update(validate=True, rollout_call_index=validation_call_index(self.global_step, i))
-            outputs.append(self.workers.actor_rollout.generate_sequences(chunk))
+            outputs.append(self.workers.actor_rollout.generate_sequences(
+                chunk, call_index=validation_call_index(self.global_step, i), validate=True).batch)
         out = Batch.concat(outputs) if len(outputs) > 1 else outputs[0]
         scores, extras = self.reward(out)
         per_sample = scores.sum(-1).numpy()
@@ -354,6 +307,16 @@ class RayPPOTrainer:
         metrics["val/score/mean"] = float(per_sample.mean())
         metrics["val/response_length/mean"] = float(out["response_mask"].sum(-1).float().mean())
         return metrics
+
+    def end_of_data(self, end: DataExhausted) -> None:
+        """The data of trainer.total_epochs ran out before the next step was complete: say so, and
+        checkpoint the last trained step when trainer.save_freq asks for checkpoints and it has none
+        (verl's DAPO recipe also ends here and saves its last step)."""
+        done = self.global_step
+        self.tracker.console(f"ballast: {end}: training stops after step {done} of the {self.total_steps} planned")
+        t = self.cfg.trainer
+        if t.save_freq > 0 and done > 0 and done % t.save_freq != 0:
+            self.save_checkpoint()
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> str:

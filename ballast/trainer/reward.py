@@ -6,6 +6,14 @@ number (or a dict with a "score") is a `RewardFunctionError` naming the training
 dataset row (its `index`), data source and what the function returned; nothing is skipped. The
 function's own exception is kept as the cause, so the command line prints its traceback.
 
+`reward_model.reward_manager` picks what is recorded besides the score, as verl's managers of the
+same names do. `naive`: every numeric value of a dict result except "score" itself (and a string
+`pred`). `dapo`: a plain number is also recorded as `acc` (so `algorithm.filter_groups.metric=acc`
+and validation's core variable `acc` work with a score function that returns a number), and a dict
+result is recorded whole, "score" included. `acc` is the score before the overlong penalty, as in
+verl. Only the `dapo` manager applies `reward_model.overlong_buffer` (verl's `naive` ignores it, so
+the config refuses that combination instead).
+
 `reward.timeout_s` bounds one call: the function then runs on a helper thread and a call that does
 not return in time stops the run (a hung score function would otherwise hang the run, and no worker
 timeout covers the driver). `reward.timeout_s=null` runs it on the main thread without a limit, for
@@ -90,11 +98,17 @@ class _TimedCaller:
         return value
 
 
+REWARD_MANAGERS = ("naive", "dapo")
+
+
 class RewardManager:
     def __init__(self, tokenizer, compute_score: Optional[Callable] = None, reward_fn_key: str = "data_source",
                  overlong: Optional[OverlongBuffer] = None, timeout_s: Optional[float] = None,
-                 name: Optional[str] = None):
+                 manager: str = "naive", name: Optional[str] = None):
         """`name`: how messages call the score function (a custom one: its name and file)."""
+        if manager not in REWARD_MANAGERS:
+            raise ValueError(f"reward_model.reward_manager={manager!r} is not one of {list(REWARD_MANAGERS)}")
+        self.manager = manager
         self.tokenizer = tokenizer
         self.fn_name = f"reward function {name}" if name else "reward function"
         self.compute_score = compute_score or default_compute_score
@@ -106,9 +120,10 @@ class RewardManager:
     @classmethod
     def from_config(cls, tokenizer, path: Optional[str], name: str, reward_fn_key: str,
                     overlong: Optional[OverlongBuffer] = None,
-                    timeout_s: Optional[float] = None) -> "RewardManager":
+                    timeout_s: Optional[float] = None, manager: str = "naive") -> "RewardManager":
         fn = load_custom_reward_fn(path, name) if path else None
-        return cls(tokenizer, fn, reward_fn_key, overlong, timeout_s, name=f"{name!r} in {str(path)!r}" if path else None)
+        return cls(tokenizer, fn, reward_fn_key, overlong, timeout_s, manager,
+                   name=f"{name!r} in {str(path)!r}" if path else None)
 
     def __call__(self, batch: Batch, step: Optional[int] = None) -> Tuple[torch.Tensor, Dict[str, np.ndarray]]:
         """(token_level_scores (B, R) float32, extra per-sample values returned by the score function).
@@ -140,6 +155,7 @@ class RewardManager:
             except ValueError as err:
                 raise RewardFunctionError(f"{self.fn_name} returned an unusable result on {where}: {err}") from None
             score = result["score"]
+            self._record(extras, result, returned_number=not isinstance(raw, dict))
             if self.overlong is not None:
                 penalty = self.overlong.penalty(length)
                 score += penalty
@@ -148,12 +164,20 @@ class RewardManager:
                     extras["overlong"].append(float(penalty < 0))
             if length > 0:
                 scores[i, length - 1] = score
-            for key, value in result.items():
-                if key != "score" and isinstance(value, (int, float)):
-                    extras[key].append(float(value))
-                elif key == "pred" and isinstance(value, str):  # the answer a majority vote counts (maj@n)
-                    extras[key].append(value)
         return scores, {k: np.asarray(v) for k, v in extras.items() if len(v) == len(lengths)}
+
+    def _record(self, extras: Dict[str, list], result: dict, returned_number: bool) -> None:
+        """The per-sample values this manager keeps from one score-function result (module docstring)."""
+        if self.manager == "dapo" and returned_number:
+            extras["acc"].append(result["score"])
+            return
+        for key, value in result.items():
+            if key == "score" and self.manager != "dapo":
+                continue
+            if isinstance(value, (int, float)):
+                extras[key].append(float(value))
+            elif key == "pred" and isinstance(value, str):  # the answer a majority vote counts (maj@n)
+                extras[key].append(value)
 
 
 def _where(step: Optional[int], position: int, row, source) -> str:

@@ -4,12 +4,14 @@ for PPO, a critic group sharing the same devices."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Dict, Optional
 
+from ballast.balance import PlanObjective
 from ballast.single_controller import RayWorkerGroup, ResourcePool
 from ballast.trainer.builders import WorkerSpecs
 from ballast.trainer.config import BallastConfig, DerivedSizes
+from ballast.trainer.step_plans import phase_objectives
 from ballast.trainer.tracking import worker_log_dir
 from ballast.workers.actor_rollout_ref import ActorRolloutRefWorker
 from ballast.workers.critic import CriticWorker
@@ -26,7 +28,10 @@ WORKER_ENV_DEFAULTS = {
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",
     "VLLM_LOGGING_LEVEL": "ERROR",
 }
-FORWARDED_ENV = ("VLLM_CACHE_ROOT", "VLLM_LOGGING_LEVEL", "TORCHINDUCTOR_CACHE_DIR", "BALLAST_CACHE_DIR", "HF_HOME", "TMPDIR")
+# Forwarded when set on the driver (also to workers of a Ray cluster started elsewhere); NCCL_DEBUG makes
+# NCCL log its set-up into the workers' logs, which scripts/gpu_smoke.sh checks.
+FORWARDED_ENV = ("VLLM_CACHE_ROOT", "VLLM_LOGGING_LEVEL", "TORCHINDUCTOR_CACHE_DIR", "BALLAST_CACHE_DIR", "HF_HOME", "TMPDIR",
+                 "NCCL_DEBUG")
 
 
 def worker_env() -> dict:
@@ -40,6 +45,8 @@ class Workers:
     pool: ResourcePool
     actor_rollout: RayWorkerGroup
     critic: Optional[RayWorkerGroup]
+    # The planning objective of each (role, backward) phase, from how its engine synchronises.
+    objectives: Dict[tuple, PlanObjective] = field(default_factory=dict)
 
     @property
     def world_size(self) -> int:
@@ -67,7 +74,11 @@ def create_workers(cfg: BallastConfig, sizes: DerivedSizes, specs: WorkerSpecs) 
     if sizes.use_critic:
         critic = RayWorkerGroup(pool, CriticWorker, init_args=(specs.critic,), name="critic",
                                 device_share=share, env=env, timeout_s=t.worker_timeout_s, log_dir=logs)
-    workers = Workers(pool, actor, critic)
+    engines = {"actor": specs.actor_rollout_ref.actor, "ref": specs.actor_rollout_ref.ref,
+               "critic": specs.critic.critic if specs.critic is not None else None}
+    objectives = phase_objectives({k: v for k, v in engines.items() if v is not None}, pool.world_size,
+                                  "cuda" if use_gpu else "cpu")
+    workers = Workers(pool, actor, critic, objectives)
     # Each group forms its own torch.distributed world; initialise them one after the other.
     actor.init_model()
     if critic is not None:

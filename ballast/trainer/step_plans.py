@@ -1,114 +1,141 @@
-"""The driver's central plan of an update phase: every epoch's mini-batches, each planned for all DP
-ranks at once by `ballast.balance.plan_step` (which samples each rank runs, and its micro-batches).
+"""The driver's plans of one step's phases: every phase that reaches a worker gets one `PhasePlan`.
 
-The plan travels with the data: the step batch is laid out so that DP rank r's contiguous chunk is
-its rows for mini-batch 0 of epoch 0, then mini-batch 1, ... (a sample appears once per epoch), and
-`meta[MINI_BATCH_PLANS_KEY]` lists, per mini-batch, `plan[r][j]` = the rows (inside rank r's slice
-of that mini-batch) of its j-th micro-batch. Every rank gets the same list, so the micro-batch counts
-agree without communication; the worker's train loop walks it (`run_train_loop(..., plans=...)`).
+`StepPlanner` is the one place that turns the config into `ballast.balance.plan_phase` calls:
 
-Mini-batches are cut from a fresh permutation of the step's samples per epoch when shuffling (seeded
-by the trainer seed and the step, so a resumed run plans the same), keeping a GRPO group's samples
-adjacent when groups are kept together.
+* inference phases (old log-probs, reference log-probs, values): the whole step as one mini-batch of
+  one epoch, each with its role's DP size and inference micro-batch policy; identical requests within
+  a step share one plan;
+* update phases (critic, actor): every epoch's mini-batches (a fresh permutation per epoch when
+  `shuffle`, seeded by the trainer seed, the step and the role, so a resumed run plans the same),
+  with the role's training micro-batch policy;
+* the forward-only pass that an actor update runs over the rows after its first mini-batch, when it
+  supplies the old log-probs itself (see `ballast.workers.on_policy`): planned over the rows each rank
+  already holds.
+
+`trainer.balance_batch` balances every phase over the DP ranks (otherwise a contiguous split), by
+`trainer.balance_workload`, keeping a prompt's samples on one rank with `trainer.balance_keep_groups`,
+for the objective of the engine that runs the phase (`phase_objectives`): where its ranks meet in a
+collective every micro-batch (FSDP2 re-gathering parameters) a step waits on the lockstep cost; where
+they meet once per mini-batch (DDP, frozen replicas) on the slowest rank's total.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 import numpy as np
 
-from ballast.balance import Workload, plan_step
+from ballast.balance import MicroBatchMode, MiniBatchPlan, PhasePlan, PlanObjective, Workload, plan_phase
+from ballast.engine.data_parallel import micro_batch_lockstep
+from ballast.engine.parallelize import data_parallel_mode
+from ballast.protocol import Batch
+
+ROLES = ("actor", "critic", "ref")
 
 
-@dataclasses.dataclass(frozen=True)
-class UpdatePlan:
-    """``rows``: step-batch row of every dispatched row (length N * epochs, rank-major); ``plans``:
-    one central micro-batch plan per mini-batch, in execution order; ``metrics``: plan quality."""
-
-    rows: np.ndarray
-    plans: list
-    metrics: dict
+def row_lengths(batch: Batch) -> np.ndarray:
+    """Real tokens (prompt + response) of every row."""
+    return batch["attention_mask"].sum(-1).numpy()
 
 
-def _epoch_order(n: int, rng: Optional[np.random.Generator], group_ids: Any) -> np.ndarray:
-    """Sample order of one epoch; with groups, each group's samples are adjacent (in first-seen group
-    order without shuffling) so that mini-batch cuts do not split groups."""
-    if group_ids is None:
-        return np.arange(n) if rng is None else rng.permutation(n)
-    _, first, inverse = np.unique(np.asarray(group_ids), return_index=True, return_inverse=True)
-    inverse = inverse.reshape(-1)
-    members = [np.flatnonzero(inverse == g) for g in np.argsort(first, kind="stable")]
-    groups = np.arange(len(members)) if rng is None else rng.permutation(len(members))
-    return np.concatenate([members[g] for g in groups])
+def prompt_lengths(batch: Batch) -> np.ndarray:
+    """Real prompt tokens of every row (the bucketed mode groups by them)."""
+    width = batch["input_ids"].shape[1] - batch["responses"].shape[1]
+    return batch["attention_mask"][:, :width].sum(-1).numpy()
 
 
-def plan_update(
-    lengths: np.ndarray,
-    dp: int,
-    mini_batch_samples: int,
-    max_tokens: int,
-    epochs: int,
-    shuffle: bool,
-    seed: Any,
-    workload: Workload = "tokens",
-    group_ids: Any = None,
-) -> UpdatePlan:
-    """Plan every (epoch, mini-batch) of one update phase; see the module docstring."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    n = len(lengths)
-    if n % mini_batch_samples:
-        raise ValueError(f"the step holds {n} samples, not a multiple of the mini-batch size {mini_batch_samples}")
-    rng = np.random.default_rng(seed) if shuffle else None
-    per_rank: list[list[np.ndarray]] = [[] for _ in range(dp)]
-    plans, ratios, attainable = [], [], []
-    for _ in range(epochs):
-        order = _epoch_order(n, rng, group_ids)
-        for start in range(0, n, mini_batch_samples):
-            idx = order[start:start + mini_batch_samples]
-            groups = None if group_ids is None else np.asarray(group_ids)[idx]
-            step = plan_step(lengths[idx], dp, max_tokens, workload, group_ids=groups)
-            for r, part in enumerate(step.partitions):
-                per_rank[r].append(idx[part])
-            plans.append(step.local_micro_batches())
-            ratios.append(step.lockstep_cost / step.lower_bound if step.lower_bound > 0 else 1.0)
-            bound = step.attainable_lower_bound
-            attainable.append(step.lockstep_cost / bound if bound > 0 else 1.0)
-    rows = np.concatenate([np.concatenate(parts) for parts in per_rank])
-    metrics = {"plan/lockstep_over_lower_bound": float(np.mean(ratios)),
-               "plan/lockstep_over_attainable_bound": float(np.mean(attainable)),
-               "plan/num_micro_batches": float(np.mean([len(p[0]) for p in plans]))}
-    return UpdatePlan(rows=rows, plans=plans, metrics=metrics)
+def phase_objectives(engines: Dict[str, Any], world_size: int, device_type: str) -> Dict[tuple, PlanObjective]:
+    """`{(role, backward): objective}` for every role's engine config in `engines` on `world_size`
+    ranks of `device_type`: inference phases run forward only, updates forward and backward."""
+    out = {}
+    for role, cfg in engines.items():
+        mode = data_parallel_mode(cfg, world_size, device_type)
+        for backward in (False, True):
+            lockstep = micro_batch_lockstep(mode, device_type, cfg.reshard_after_forward, backward)
+            out[(role, backward)] = PlanObjective.LOCKSTEP if lockstep else PlanObjective.RANK_TOTAL
+    return out
 
 
-class UpdatePlanner:
-    """Which update phases the driver plans centrally, and their plans for one step.
+class StepPlanner:
+    """Plans of one step's phases over the step's `batch` (rows in generation order), for `sizes` (the
+    derived per-role sizes) under `cfg`; made anew every step."""
 
-    A role is planned centrally when balancing is on, its micro-batches are dynamic and not
-    length-bucketed; otherwise its ranks plan alone (and `plan` returns None).
-    """
-
-    def __init__(self, cfg, sizes, workload: Workload) -> None:
+    def __init__(self, cfg, sizes, workload: Workload, batch: Batch, global_step: int,
+                 objectives: Optional[Dict[tuple, PlanObjective]] = None) -> None:
         self.cfg, self.sizes, self.workload = cfg, sizes, workload
+        self.batch, self.global_step = batch, global_step
+        self.objectives = objectives or {}
+        self._inference: Dict[tuple, PhasePlan] = {}
 
     def _role(self, role: str):
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}")
+        return getattr(self.sizes, role)
+
+    def _common(self, batch: Batch, role: str, policy, backward: bool) -> dict:
+        keep_groups = self.cfg.trainer.balance_keep_groups
+        return dict(balance=self.cfg.trainer.balance_batch, workload=self.workload,
+                    group_ids=batch["uid"] if keep_groups else None,
+                    prompt_lengths=prompt_lengths(batch) if policy.mode is MicroBatchMode.BUCKETED else None,
+                    objective=self.objectives.get((role, backward)))
+
+    def inference(self, role: str) -> PhasePlan:
+        """The plan of `role`'s inference pass over every row (identical requests share one plan)."""
+        sizes = self._role(role)
+        policy = sizes.infer.policy(sizes.sp_size)
+        key = (sizes.dp_size, policy, self.objectives.get((role, False)))
+        if key not in self._inference:
+            self._inference[key] = plan_phase(row_lengths(self.batch), sizes.dp_size, policy,
+                                              **self._common(self.batch, role, policy, backward=False))
+        return self._inference[key]
+
+    def update(self, role: str) -> PhasePlan:
+        """The plan of `role`'s update (every epoch and mini-batch)."""
+        sizes = self._role(role)
         role_cfg = self.cfg.actor_rollout_ref.actor if role == "actor" else self.cfg.critic
-        return getattr(self.sizes, role), role_cfg
+        policy = sizes.train.policy(sizes.sp_size)
+        return plan_phase(row_lengths(self.batch), sizes.dp_size, policy, mini_batch_samples=sizes.mini_batch_samples,
+                          epochs=role_cfg.ppo_epochs, shuffle=role_cfg.shuffle,
+                          seed=[self.cfg.trainer.seed, self.global_step, ROLES.index(role)],
+                          **self._common(self.batch, role, policy, backward=True))
 
-    def plans_centrally(self, role: str) -> bool:
-        sizes, role_cfg = self._role(role)
-        if sizes is None or sizes.train is None:
-            return False
-        bucketed = bool(getattr(role_cfg, "dynamic_bsz_bucketing", False))
-        return bool(self.cfg.trainer.balance_batch and sizes.train.use_dynamic_bsz and not bucketed)
+    def after_first_mini_batch(self, actor_plan: PhasePlan) -> Optional[MiniBatchPlan]:
+        """The actor's forward-only plan over each rank's rows after its first mini-batch, or None
+        when the update has a single mini-batch (see `plan_after_first_mini_batch`)."""
+        sizes = self.sizes.actor
+        policy = sizes.infer.policy(sizes.sp_size)
+        prompts = prompt_lengths(self.batch) if policy.mode is MicroBatchMode.BUCKETED else None
+        return plan_after_first_mini_batch(row_lengths(self.batch), actor_plan, policy, self.workload, prompts)
 
-    def plan(self, lengths: np.ndarray, role: str, global_step: int, group_ids: Any = None) -> Optional[UpdatePlan]:
-        """The central plan of `role`'s update for the step after `global_step`, or None."""
-        if not self.plans_centrally(role):
-            return None
-        sizes, role_cfg = self._role(role)
-        return plan_update(lengths, sizes.dp_size, sizes.mini_batch_samples, sizes.token_budget(sizes.train),
-                           role_cfg.ppo_epochs, role_cfg.shuffle,
-                           seed=[self.cfg.trainer.seed, global_step, int(role == "critic")],
-                           workload=self.workload, group_ids=group_ids)
+
+def plan_after_first_mini_batch(lengths: np.ndarray, plan: PhasePlan, policy, workload: Workload = "tokens",
+                                prompt_lengths: Optional[np.ndarray] = None) -> Optional[MiniBatchPlan]:
+    """The inference plan of every rank's rows after its first mini-batch of the one-epoch update
+    `plan`, over the rows where they already are (rank r's rows, in its dispatch order), or None when
+    the update has a single mini-batch. `lengths`/`prompt_lengths` are per step row."""
+    if len(plan.mini_batches) == 1:
+        return None
+    if plan.epochs != 1:
+        raise ValueError(f"old log-probs from the update need one epoch, the plan has {plan.epochs}")
+    rows, parts, start = [], [], 0
+    for r in range(plan.dp_size):
+        rest = plan.rank_rows(r)[plan.mini_batches[0].rows_per_rank[r]:]
+        rows.append(rest)
+        parts.append(np.arange(start, start + len(rest)))
+        start += len(rest)
+    rows = np.concatenate(rows)
+    prompts = None if prompt_lengths is None else np.asarray(prompt_lengths)[rows]
+    return plan_phase(np.asarray(lengths)[rows], plan.dp_size, policy, workload=workload, partitions=parts,
+                      prompt_lengths=prompts).mini_batches[0]
+
+
+def plan_metrics(plan: PhasePlan, role: str) -> Dict[str, float]:
+    """The plan's quality figures under `balance/{role}_*`."""
+    return {f"balance/{role}_{key}": value for key, value in plan.metrics.items()}
+
+
+def epoch_partitions(plan: PhasePlan) -> list[np.ndarray]:
+    """Step rows each rank holds over the plan's first epoch (the step's DP split as run)."""
+    per_epoch = len(plan.mini_batches) // plan.epochs
+    parts = [plan.partitions(m) for m in range(per_epoch)]
+    return [np.concatenate([p[r] for p in parts]) for r in range(plan.dp_size)]

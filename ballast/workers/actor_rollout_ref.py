@@ -21,13 +21,14 @@ from tensordict import TensorDict
 
 from ballast.engine import TrainEngine
 from ballast.engine.dist import init_distributed, resolve_device_type
-from ballast.protocol import METRICS_KEY, Batch
+from ballast.protocol import Batch, Output
 from ballast.single_controller import Dispatch, Worker, register
-from ballast.workers.on_policy import FROM_UPDATE_KEY, ROW_INDEX_KEY, check_marked_rows, update_log_prob_train_spec
+from ballast.engine import MiniBatchPlan, PhasePlan
+from ballast.workers.on_policy import OldLogProbMode, SelfOldLogProbLoss, rows_after_first
 from ballast.workers.perf import mfu_metrics, peak_flops
 from ballast.workers.rollout import build_backend, new_tp_group, tp_generate
 from ballast.workers.spec import ActorRolloutRefSpec
-from ballast.workers.train_loop import LOG_PROB_PLAN_KEY, MINI_BATCH_PLANS_KEY, UpdateResult, run_train_loop
+from ballast.workers.train_loop import UpdateResult, run_train_loop
 
 UPDATE_WEIGHTS_METRIC = "timing_s/update_weights"
 
@@ -88,26 +89,28 @@ class ActorRolloutRefWorker(Worker):
 
     # ------------------------------------------------------------------ rollout
     @register(Dispatch.DP_COMPUTE_PROTO, pad=True)
-    def generate_sequences(self, prompts: Batch) -> Batch:
-        """Prompts (left-padded) -> prompts + responses. `meta["validate"]` switches to greedy sampling."""
+    def generate_sequences(self, prompts: Batch, call_index: Optional[int] = None, validate: bool = False) -> Output:
+        """Prompts (left-padded) -> prompts + responses. `call_index` enters every sampling seed;
+        `validate` switches to the validation sampling parameters. Metrics: the weight sync's seconds
+        (`timing_s/update_weights`) when this call synced."""
         if self.rollout is None:
             raise ValueError(f"worker rank {self.rank} has no rollout role")
         # Weights first, then the KV cache (wake_up): the actor's gathered full tensors are freed
         # before the cache comes back. A level-2 sleep discarded the engine's weights, so they are
         # reloaded after every such sleep, not only after an actor update.
-        meta = dict(prompts.meta)
+        metrics = {}
         if self._weights_stale or self.rollout.needs_weights:
             start = time.perf_counter()
             self.rollout.load_weights(self._require(self.actor, "actor").iter_full_state_dict())
             self._weights_stale = False
             # verl's timing_s/update_weights; the driver takes the slowest worker
-            meta[METRICS_KEY] = {UPDATE_WEIGHTS_METRIC: [time.perf_counter() - start]}
+            metrics[UPDATE_WEIGHTS_METRIC] = [time.perf_counter() - start]
         self.rollout.wake_up()
-        sampling = self.spec.rollout_val_sampling if prompts.meta.get("validate") else None
+        sampling = self.spec.rollout_val_sampling if validate else None
         out = tp_generate(self.rollout, prompts.tensors.select(*PROMPT_KEYS), self._tp_group, sampling,
-                          call_index=prompts.meta.get("rollout_call_index"))
+                          call_index=call_index)
         self.rollout.sleep()
-        return Batch(out, non_tensors=prompts.non_tensors, meta=meta)
+        return Output(Batch(out, non_tensors=prompts.non_tensors, meta=dict(prompts.meta)), metrics)
 
     # ------------------------------------------------------------------ actor
     def _require(self, engine, role):
@@ -116,44 +119,65 @@ class ActorRolloutRefWorker(Worker):
         return engine
 
     @register(Dispatch.MESH, mesh="actor")
-    def compute_log_prob(self, batch: Batch) -> Batch:
+    def compute_log_prob(self, batch: Batch, plan: PhasePlan) -> Output:
         """Old log-probs (and per-token entropy, for the metric) under the current actor."""
         actor = self._require(self.actor, "actor")
         data = engine_input(batch)
         start = time.perf_counter()
-        out = actor.infer_batch(data, self.spec.actor_infer, temperature=self.spec.temperature,
-                                calculate_entropy=True, plan=batch.meta.get(LOG_PROB_PLAN_KEY))
-        mfu = mfu_metrics("old_log_prob", actor, data, time.perf_counter() - start, self._peak_flops, passes=1)
-        return Batch({"old_log_probs": out["log_probs"].cpu(), "entropy": out["entropy"].cpu()},
-                     meta={"metrics": {k: [v] for k, v in mfu.items()}})
+        out = actor.infer_batch(data, plan.mini_batches[0], temperature=self.spec.temperature, calculate_entropy=True)
+        mfu = mfu_metrics("actor_infer", actor, data, time.perf_counter() - start, self._peak_flops, passes=1)
+        return Output(Batch({"old_log_probs": out["log_probs"].cpu(), "entropy": out["entropy"].cpu()}),
+                      {k: [v] for k, v in mfu.items()})
 
     @register(Dispatch.MESH, mesh="ref")
-    def compute_ref_log_prob(self, batch: Batch) -> Batch:
+    def compute_ref_log_prob(self, batch: Batch, plan: PhasePlan) -> Batch:
         ref = self._require(self.ref, "ref")
-        out = ref.infer_batch(engine_input(batch), self.spec.ref_infer, temperature=self.spec.temperature)
+        out = ref.infer_batch(engine_input(batch), plan.mini_batches[0], temperature=self.spec.temperature)
         return Batch({"ref_log_prob": out["log_probs"].cpu()})
 
     @register(Dispatch.MESH, mesh="actor")
-    def update_actor(self, batch: Batch) -> UpdateResult:
+    def update_actor(self, batch: Batch, plan: PhasePlan, old_log_probs: OldLogProbMode = OldLogProbMode.PASS,
+                     rest_plan: Optional[MiniBatchPlan] = None) -> UpdateResult:
+        """Train on this rank's chunk of `batch[plan.rows]`. Unless `old_log_probs` is "pass", the old
+        log-probs come from the update itself: a forward-only pass over the rows after the first
+        mini-batch (planned by `rest_plan`), then the first mini-batch's own; both are returned."""
         actor = self._require(self.actor, "actor")
-        plans = batch.meta.get(MINI_BATCH_PLANS_KEY)
-        train, wrapper = self.spec.actor_train, None
         extra = ("old_log_probs", "advantages", "ref_log_prob")
-        if FROM_UPDATE_KEY in batch:  # the driver left these rows' old log-probs to the update
-            check_marked_rows(batch[FROM_UPDATE_KEY], train.mini_batch_samples_per_rank, train.ppo_epochs,
-                              shuffled_per_rank=plans is None and train.shuffle)
-            batch[ROW_INDEX_KEY] = torch.arange(len(batch))
-            train, wrapper = update_log_prob_train_spec(train)
-            extra += (FROM_UPDATE_KEY, ROW_INDEX_KEY)
         data = engine_input(batch, extra)
+        metrics: Dict[str, float] = {}
+        first_loss, rest = None, None
         start = time.perf_counter()
-        result = run_train_loop(actor, data, train, actor.parallel.dp_rank, "actor", plans=plans)
+        if OldLogProbMode(old_log_probs).from_update:
+            rest, metrics = self._old_log_probs_before_update(data, plan, rest_plan)
+            first_loss = SelfOldLogProbLoss(self.spec.actor_train.loss_fn)
+        result = run_train_loop(actor, data, plan, self.spec.actor_train, "actor", first_loss_fn=first_loss,
+                                later_old_log_probs=None if rest is None else rest[0])
         seconds = time.perf_counter() - start
-        if wrapper is not None:
-            result.update_log_probs = wrapper.collect()
-        result.metrics.update(mfu_metrics("actor", actor, data, seconds, self._peak_flops, passes=3 * train.ppo_epochs))
+        if first_loss is not None:
+            first = first_loss.collect(plan.mini_batches[0].for_rank(actor.parallel.dp_rank))
+            result.old_log_probs = torch.cat([first[0], rest[0]]) if rest is not None else first[0]
+            result.entropy = torch.cat([first[1], rest[1]]) if rest is not None else first[1]
+        result.metrics.update(metrics)
+        epochs = plan.epochs
+        result.metrics.update(mfu_metrics("actor", actor, data, seconds, self._peak_flops, passes=3 * epochs))
         self._weights_stale = self.rollout is not None
         return result
+
+    def _old_log_probs_before_update(self, data: TensorDict, plan: PhasePlan, rest_plan: Optional[MiniBatchPlan]):
+        """((log-probs, entropy) of this rank's rows after its first mini-batch, or None; metrics)."""
+        actor = self.actor
+        rows = rows_after_first(plan, actor.parallel.dp_rank)
+        if rest_plan is None:
+            if any(len(mb) for mb in plan.mini_batches[1:]):
+                raise ValueError("update_actor: old log-probs from the update over several mini-batches need rest_plan")
+            return None, {}
+        start = time.perf_counter()
+        rest = data[torch.as_tensor(rows)]
+        out = actor.infer_batch(rest, rest_plan, temperature=self.spec.temperature, calculate_entropy=True)
+        seconds = time.perf_counter() - start
+        metrics = mfu_metrics("actor_infer", actor, rest, seconds, self._peak_flops, passes=1)
+        metrics["timing_s/old_log_prob"] = seconds
+        return (out["log_probs"].cpu(), out["entropy"].cpu()), metrics
 
     # ------------------------------------------------------------------ checkpoints
     @register(Dispatch.ONE_TO_ALL)

@@ -13,7 +13,8 @@ from ballast.protocol import Batch
 from ballast.single_controller import Dispatch, Worker, register
 from ballast.workers.actor_rollout_ref import engine_input
 from ballast.workers.spec import CriticSpec
-from ballast.workers.train_loop import MINI_BATCH_PLANS_KEY, UpdateResult, run_train_loop
+from ballast.engine import PhasePlan
+from ballast.workers.train_loop import UpdateResult, run_train_loop
 
 
 class CriticWorker(Worker):
@@ -32,15 +33,14 @@ class CriticWorker(Worker):
         return {"rank": self.rank, "pid": os.getpid()}
 
     @register(Dispatch.MESH, mesh="critic")
-    def compute_values(self, batch: Batch) -> Batch:
-        out = self.critic.infer_batch(engine_input(batch), self.spec.infer)
+    def compute_values(self, batch: Batch, plan: PhasePlan) -> Batch:
+        out = self.critic.infer_batch(engine_input(batch), plan.mini_batches[0])
         return Batch({"values": out["values"].cpu()})
 
     @register(Dispatch.MESH, mesh="critic")
-    def update_critic(self, batch: Batch) -> UpdateResult:
+    def update_critic(self, batch: Batch, plan: PhasePlan) -> UpdateResult:
         data = engine_input(batch, ("values", "returns"))
-        return run_train_loop(self.critic, data, self.spec.train, self.critic.parallel.dp_rank, "critic",
-                              plans=batch.meta.get(MINI_BATCH_PLANS_KEY))
+        return run_train_loop(self.critic, data, plan, self.spec.train, "critic")
 
     @register(Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:

@@ -1,109 +1,84 @@
-"""Old log-probs from the update's own forward, wherever the update still runs the old policy.
+"""Old log-probs from the actor update itself, wherever the update still runs the sampling policy.
 
 The first mini-batch of the first epoch is differentiated under exactly the weights that generated
-the samples: its "old" log-probs are its own log-probs, detached. So the driver's separate
-old-log-prob pass need not cover those rows:
+the samples: its "old" log-probs are its own log-probs, detached (the PPO ratio is then exactly 1 and
+its gradient the plain policy gradient, as with a separate pass, within float rounding). The rows of
+the later mini-batches need theirs before the first optimizer step changes the weights: the update
+computes them in a forward-only pass over exactly those rows first. So the step needs no separate
+old-log-prob phase on the driver: one dispatch less, and the first mini-batch's rows are not run
+twice. verl 0.9.1 always runs the separate pass (only its rollout-correction bypass mode skips it, taking
+the rollout's own log-probs instead); `actor.old_log_prob_from_update=False` runs it here too.
 
-* one mini-batch and one epoch (verl skips the recomputation then too): no pass at all;
-* k > 1 mini-batches, one epoch, a central plan: the pass covers the other (k - 1) / k of the rows.
-
-The driver marks the rows with `FROM_UPDATE_KEY` (bool, per row); for them `old_log_probs` in the
-batch is a placeholder. The loss wrapper swaps in the detached log-probs (the PPO ratio is then
-exactly 1 and its gradient the plain policy gradient, as with a separate pass, within float rounding)
-and keeps each marked row's log-probs and entropy, which the update returns so that the driver
-fills the batch and computes every metric of the pass (entropy, rollout-vs-actor difference) over
-all rows exactly as before.
+Which rows are "first" is read off the actor's `PhasePlan` (its first mini-batch); the update returns
+the log-probs and entropies of all its rows in its typed result (`UpdateResult.old_log_probs`,
+`.entropy`), and the driver computes every metric of the pass (entropy, rollout-vs-actor difference)
+over all rows exactly as after a separate pass.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Dict, List, Optional
+import enum
+from typing import Dict, List
 
 import numpy as np
 import torch
 
+from ballast.engine.micro_batch import restore_order
+
 OLD_LOG_PROBS_KEY = "old_log_probs"
-ROLLOUT_LOG_PROBS_KEY = "rollout_log_probs"
-FROM_UPDATE_KEY = "old_log_probs_from_update"
-ROW_INDEX_KEY = "row_index"  # the row's position in this rank's data, to send its log-probs back
 
 
-def first_mini_batch_mode(num_mini_batches: int, ppo_epochs: int, use_kl_in_reward: bool,
-                          central_plan: bool) -> str:
-    """How the step gets its old log-probs: "update" (no pass: one mini-batch, one epoch), "partial"
-    (the pass skips the first mini-batch, whose rows the driver must know: needs a central plan) or
-    "pass" (a separate pass over every row).
+class OldLogProbMode(str, enum.Enum):
+    """Where a step's old log-probs come from: a separate pass over every row ("pass", verl's way),
+    the update alone ("update": one mini-batch, nothing else to compute) or the update plus a
+    forward-only pass inside it over the rows after its first mini-batch ("partial")."""
 
-    A reward KL penalty needs the old log-probs before the update (to build the rewards), and with
-    several epochs the first mini-batch comes back under updated weights: both rule the shortcut out.
-    """
-    if ppo_epochs != 1 or use_kl_in_reward:
-        return "pass"
-    if num_mini_batches == 1:
-        return "update"
-    return "partial" if central_plan else "pass"
+    PASS = "pass"
+    PARTIAL = "partial"
+    UPDATE = "update"
+
+    @property
+    def from_update(self) -> bool:
+        return self is not OldLogProbMode.PASS
 
 
-class UpdateLogProbLoss:
-    """Wraps an actor loss: for rows marked `FROM_UPDATE_KEY`, old log-probs := the micro-batch's own
-    log-probs, detached; their log-probs and entropies are kept (`collect`)."""
+def old_log_prob_mode(num_mini_batches: int, ppo_epochs: int, use_kl_in_reward: bool, enabled: bool) -> OldLogProbMode:
+    """The mode of a run. A reward KL penalty needs the old log-probs before the update (to build the
+    rewards), and with several epochs the first mini-batch comes back under updated weights: both
+    rule the shortcut out, as does switching it off."""
+    if not enabled or ppo_epochs != 1 or use_kl_in_reward:
+        return OldLogProbMode.PASS
+    return OldLogProbMode.UPDATE if num_mini_batches == 1 else OldLogProbMode.PARTIAL
+
+
+class SelfOldLogProbLoss:
+    """Wraps an actor loss for the first mini-batch: old log-probs := the micro-batch's own log-probs,
+    detached; keeps them and the entropies, in the order the engine runs the micro-batches."""
 
     def __init__(self, loss_fn) -> None:
         self.loss_fn = loss_fn
-        self._rows: List[torch.Tensor] = []
         self._log_probs: List[torch.Tensor] = []
         self._entropy: List[torch.Tensor] = []
 
     def __call__(self, outputs: Dict[str, torch.Tensor], micro, norm):
-        marked = micro[FROM_UPDATE_KEY].bool()
         log_probs = outputs["log_probs"].detach()
         micro = micro.copy()
-        micro.set(OLD_LOG_PROBS_KEY, torch.where(marked[:, None], log_probs, micro[OLD_LOG_PROBS_KEY]))
+        micro.set(OLD_LOG_PROBS_KEY, log_probs)
         # Kept on the device, moved to the host once in `collect`: no host sync per micro-batch.
-        self._rows.append(micro[ROW_INDEX_KEY][marked])
-        self._log_probs.append(log_probs[marked])
-        self._entropy.append(outputs["entropy"].detach()[marked])
+        self._log_probs.append(log_probs)
+        self._entropy.append(outputs["entropy"].detach())
         return self.loss_fn(outputs, micro, norm)
 
-    def collect(self) -> Optional["UpdateLogProbs"]:
-        """The marked rows seen so far (each once, in row order), or None when there were none."""
-        rows = torch.cat(self._rows).cpu() if self._rows else torch.zeros(0, dtype=torch.long)
-        if not len(rows):
-            return None
-        order = torch.argsort(rows)
-        if len(torch.unique(rows)) != len(rows):
-            raise AssertionError("a row marked for update log-probs ran twice: was it in several mini-batches?")
-        return UpdateLogProbs(rows=rows[order].numpy(), old_log_probs=torch.cat(self._log_probs).cpu()[order],
-                              entropy=torch.cat(self._entropy).cpu()[order])
+    def collect(self, micro_batches: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probs, entropies) of the first mini-batch's rows, in row order; `micro_batches` is this
+        rank's part of the mini-batch plan the engine executed."""
+        real = tuple(rows for rows in micro_batches if len(rows))
+        if len(real) != len(self._log_probs):
+            raise AssertionError(f"the loss saw {len(self._log_probs)} micro-batches, the plan has {len(real)}")
+        return restore_order(self._log_probs, real).cpu(), restore_order(self._entropy, real).cpu()
 
 
-@dataclasses.dataclass
-class UpdateLogProbs:
-    """Log-probs and entropies the update computed for the marked rows of one rank's data."""
-
-    rows: np.ndarray               # positions in this rank's dispatched data
-    old_log_probs: torch.Tensor    # (len(rows), R)
-    entropy: torch.Tensor          # (len(rows), R)
-
-
-def check_marked_rows(marked: torch.Tensor, mini_batch_samples: int, ppo_epochs: int,
-                      shuffled_per_rank: bool) -> None:
-    """Raise unless every marked row is trained in the first mini-batch of the first epoch, the only
-    place where the update's forward still runs the policy that generated the samples."""
-    if not bool(marked.any()):
-        return
-    first_only = not bool(marked[mini_batch_samples:].any())
-    whole_is_first = len(marked) == mini_batch_samples
-    if ppo_epochs != 1 or not (whole_is_first or (first_only and not shuffled_per_rank)):
-        raise ValueError(
-            f"update_actor: {int(marked.sum())} rows without old log-probs (marked {FROM_UPDATE_KEY!r}), but "
-            f"this rank's {len(marked)} samples make {len(marked) / mini_batch_samples:g} mini-batches x "
-            f"{ppo_epochs} epochs and the marked rows are not all in the first mini-batch of the first epoch"
-        )
-
-
-def update_log_prob_train_spec(spec):
-    """(the train-loop spec with the wrapped loss and entropy on, the wrapper)."""
-    wrapper = UpdateLogProbLoss(spec.loss_fn)
-    return dataclasses.replace(spec, loss_fn=wrapper, calculate_entropy=True), wrapper
+def rows_after_first(plan, dp_rank: int) -> np.ndarray:
+    """This rank's row positions (in its dispatched data) after its first mini-batch."""
+    first = plan.mini_batches[0].rows_per_rank[dp_rank]
+    return np.arange(first, sum(mb.rows_per_rank[dp_rank] for mb in plan.mini_batches))

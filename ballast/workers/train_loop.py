@@ -1,14 +1,12 @@
-"""The `update_*` loop shared by actor and critic: epochs x mini-batches of this rank's share.
+"""The `update_*` loop shared by actor and critic: execute the driver's plan of this rank's share.
 
-Pure bookkeeping around the engine: which rows form each mini-batch (optionally shuffled with
-seed + dp rank, so DP ranks shuffle differently but reproducibly), one optimizer step per
-mini-batch, one learning-rate schedule step per call (the schedule's warmup and length are counted
-in training steps, as verl's), and metrics averaged over mini-batches (each engine metric is already
-a mini-batch-global value, identical on every DP rank); running counters report their last value.
-
-With a central plan from the driver (`plans`, shipped in `meta[MINI_BATCH_PLANS_KEY]`), the driver
-has already cut, shuffled and laid out the mini-batches of every epoch: mini-batch m is rows
-[m * size, (m + 1) * size) of this rank's data and runs the micro-batches `plans[m]` names.
+Pure bookkeeping around the engine. The driver's `PhasePlan` (from `ballast.balance.plan_phase`)
+already fixed every epoch's mini-batches and their micro-batches: this rank's data is its chunk of
+`batch[plan.rows]`, mini-batch m is the next `plan.mini_batches[m].rows_per_rank[rank]` rows, and
+nothing here cuts, shuffles or re-plans. One optimizer step per mini-batch, one learning-rate
+schedule step per call (the schedule's warmup and length are counted in training steps, as verl's),
+and metrics averaged over mini-batches (each engine metric is already a mini-batch-global value,
+identical on every DP rank); running counters report their last value.
 """
 
 from __future__ import annotations
@@ -18,24 +16,23 @@ from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional
 
 import numpy as np
+import torch
 from tensordict import TensorDict
 
+from ballast.engine import MiniBatchPlan, PhasePlan
 from ballast.workers.spec import TrainLoopSpec
 
 
-def mini_batch_indices(num_samples: int, mini_batch_samples: int, epochs: int, shuffle: bool,
-                       seed: int) -> Iterator[np.ndarray]:
-    """Row indices of every mini-batch, epoch by epoch; every row exactly once per epoch."""
-    if num_samples % mini_batch_samples:
-        raise ValueError(
-            f"this rank holds {num_samples} samples, not a multiple of mini_batch_samples_per_rank="
-            f"{mini_batch_samples}: the dispatched step does not match the derived sizes"
-        )
-    rng = np.random.default_rng(seed)
-    for _ in range(epochs):
-        order = rng.permutation(num_samples) if shuffle else np.arange(num_samples)
-        for start in range(0, num_samples, mini_batch_samples):
-            yield order[start:start + mini_batch_samples]
+def rank_mini_batches(plan: PhasePlan, dp_rank: int, num_rows: int) -> Iterator[tuple[np.ndarray, MiniBatchPlan]]:
+    """(rows of this rank's data, the mini-batch's plan) for every mini-batch, in execution order."""
+    sizes = [mb.rows_per_rank[dp_rank] for mb in plan.mini_batches]
+    if num_rows != sum(sizes):
+        raise ValueError(f"DP rank {dp_rank} holds {num_rows} rows but its plan covers {sum(sizes)}: "
+                         "the dispatched batch does not match the plan")
+    start = 0
+    for size, mini_batch in zip(sizes, plan.mini_batches):
+        yield np.arange(start, start + size), mini_batch
+        start += size
 
 
 def adaptive_grad_clip(grad_clip: float, num_samples: int, min_batch_size: int | None) -> float:
@@ -45,9 +42,6 @@ def adaptive_grad_clip(grad_clip: float, num_samples: int, min_batch_size: int |
     return grad_clip * num_samples / min_batch_size
 
 
-MINI_BATCH_PLANS_KEY = "mini_batch_plans"
-# The driver's central plan of the old-log-prob pass (the whole step as one mini-batch), in meta.
-LOG_PROB_PLAN_KEY = "log_prob_micro_batch_plan"
 GIB = 1024**3
 
 
@@ -57,8 +51,10 @@ class UpdateResult:
 
     metrics: Dict[str, float]            # averaged over mini-batches; identical on every DP rank
     micro_batch_tokens: List[List[int]]  # real tokens of every micro-batch, one list per DP rank
-    # the actor's log-probs of the rows whose old log-probs came from the update (see workers.on_policy)
-    update_log_probs: Optional[object] = None
+    # When the update computed the old log-probs itself (see workers.on_policy): this rank's rows, in
+    # its dispatch order, (rows, R) each.
+    old_log_probs: Optional[torch.Tensor] = None
+    entropy: Optional[torch.Tensor] = None
 
 
 def memory_metrics() -> Dict[str, float]:
@@ -78,36 +74,28 @@ def memory_metrics() -> Dict[str, float]:
     return metrics
 
 
-def _planned_mini_batches(num_samples: int, mini_batch_samples: int, plans: list) -> Iterator[np.ndarray]:
-    if num_samples != len(plans) * mini_batch_samples:
-        raise ValueError(
-            f"this rank holds {num_samples} samples but the central plan has {len(plans)} mini-batches of "
-            f"mini_batch_samples_per_rank={mini_batch_samples}"
-        )
-    for m in range(len(plans)):
-        yield np.arange(m * mini_batch_samples, (m + 1) * mini_batch_samples)
-
-
-def run_train_loop(engine, data: TensorDict, spec: TrainLoopSpec, dp_rank: int, prefix: str,
-                   plans: Optional[list] = None) -> UpdateResult:
-    """Train on `data` (this rank's share of the step), planning per rank or following `plans`.
+def run_train_loop(engine, data: TensorDict, plan: PhasePlan, spec: TrainLoopSpec, prefix: str,
+                   first_loss_fn=None, later_old_log_probs: Optional[torch.Tensor] = None) -> UpdateResult:
+    """Train on `data` (this rank's chunk of the phase) following `plan`. When the update supplies the
+    old log-probs itself, `first_loss_fn` replaces `spec.loss_fn` in the first mini-batch (it makes
+    them) and `later_old_log_probs` are those of the rows after it (one epoch: rows first..end).
 
     Returns metrics averaged over mini-batches and the real tokens of every micro-batch each DP rank
     ran during the whole update (one list per DP rank).
     """
     history: Dict[str, List[float]] = defaultdict(list)
     micro_tokens: List[List[int]] = []
-    if plans is None:
-        indices = mini_batch_indices(data.batch_size[0], spec.mini_batch_samples_per_rank, spec.ppo_epochs,
-                                     spec.shuffle, spec.seed + dp_rank)
-    else:
-        indices = _planned_mini_batches(data.batch_size[0], spec.mini_batch_samples_per_rank, plans)
     skipped_total = None
-    for m, rows in enumerate(indices):
+    first_rows = plan.mini_batches[0].rows_per_rank[engine.parallel.dp_rank]
+    for m, (rows, mini_batch) in enumerate(rank_mini_batches(plan, engine.parallel.dp_rank, data.batch_size[0])):
         engine.zero_grad()
-        out = engine.forward_backward_batch(data[rows], spec.loss_fn, spec.micro, temperature=spec.temperature,
-                                            calculate_entropy=spec.calculate_entropy,
-                                            plan=None if plans is None else plans[m])
+        loss_fn = first_loss_fn if m == 0 and first_loss_fn is not None else spec.loss_fn
+        entropy = spec.calculate_entropy or (m == 0 and first_loss_fn is not None)
+        mini_data = data[torch.as_tensor(rows)]
+        if later_old_log_probs is not None and m > 0:
+            mini_data.set("old_log_probs", later_old_log_probs[torch.as_tensor(rows - first_rows)])
+        out = engine.forward_backward_batch(mini_data, loss_fn, mini_batch,
+                                            temperature=spec.temperature, calculate_entropy=entropy)
         clip = None
         if spec.grad_clip_min_batch_size is not None and engine.cfg.grad_clip is not None:
             clip = adaptive_grad_clip(engine.cfg.grad_clip, int(out["num_sequences"]), spec.grad_clip_min_batch_size)
@@ -117,11 +105,9 @@ def run_train_loop(engine, data: TensorDict, spec: TrainLoopSpec, dp_rank: int, 
                 micro_tokens.append([])
             micro_tokens[rank].extend(tokens)
         for key, value in out.items():
-            name = key if "/" in key else f"{prefix}/{key}"
-            history[name].append(value)
-        history[f"{prefix}/grad_norm"].append(step["grad_norm"])
-        history[f"{prefix}/lr"].append(step["lr"])
-        history[f"{prefix}/step_skipped"].append(step["step_skipped"])
+            history[key if "/" in key else f"{prefix}/{key}"].append(value)
+        for key in ("grad_norm", "lr", "step_skipped"):
+            history[f"{prefix}/{key}"].append(step[key])
         skipped_total = step["skipped_steps"]
         if clip is not None:
             history[f"{prefix}/grad_clip_effective"].append(clip)

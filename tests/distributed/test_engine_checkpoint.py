@@ -45,7 +45,7 @@ def _moments(engine):
 
 
 def _step(engine, data):
-    engine.forward_backward_batch(data, loss_fn, SPEC)
+    engine.forward_backward_batch(data, loss_fn, engine.plan_micro_batches(data, SPEC))
     return engine.optimizer_step()
 
 
@@ -65,7 +65,7 @@ def _checkpoint_worker(rank, world, root, model_dir):
     report["first_grad_norm"] = first["grad_norm"]
 
     # a non-finite gradient on ONE rank's shard: every rank must skip the step
-    engine.forward_backward_batch(rows, loss_fn, SPEC)
+    engine.forward_backward_batch(rows, loss_fn, engine.plan_micro_batches(rows, SPEC))
     before, moments_before = _full_params(engine), _moments(engine)
     if rank == 0:
         local(next(p for p in engine.model.parameters() if p.grad is not None).grad).view(-1)[0] = float("nan")
@@ -107,7 +107,7 @@ def _checkpoint_worker(rank, world, root, model_dir):
     got = _full_params(hybrid)
     report["hybrid_resumed_step_max_diff"] = max(float((got[n] - expected[n]).abs().max()) for n in got)
     # a non-finite gradient on one replica only: both replicas skip, so they stay equal
-    hybrid.forward_backward_batch(rows, loss_fn, SPEC)
+    hybrid.forward_backward_batch(rows, loss_fn, hybrid.plan_micro_batches(rows, SPEC))
     if rank == 0:
         local(next(p for p in hybrid.model.parameters() if p.grad is not None).grad).view(-1)[0] = float("nan")
     report["hybrid_skipped"] = hybrid.optimizer_step()["step_skipped"]

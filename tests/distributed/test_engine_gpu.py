@@ -53,10 +53,10 @@ def _gpu_worker(rank, world, root, model_dir, offload):
     cfg = EngineConfig(model_path=model_dir, device="cuda", cpu_offload=offload, ulysses_sequence_parallel_size=sp)
     engine = TrainEngine(cfg, parallel=parallel)
     spec = MicroBatchSpec(use_dynamic_bsz=True, max_token_len_per_gpu=64)
-    out = engine.infer_batch(data, spec, calculate_entropy=True)
+    out = engine.infer_batch(data, engine.plan_micro_batches(data, spec), calculate_entropy=True)
     ref = torch.load(os.path.join(root, "ref.pt"), weights_only=True)
     before = {n: p.full_tensor().float().cpu() for n, p in engine.model.named_parameters()}
-    metrics = engine.forward_backward_batch(data, _loss, spec)
+    metrics = engine.forward_backward_batch(data, _loss, engine.plan_micro_batches(data, spec))
     step = engine.optimizer_step()
     after = {n: p.full_tensor().float().cpu() for n, p in engine.model.named_parameters()}
     report = dict(

@@ -15,12 +15,13 @@ from __future__ import annotations
 import os
 import time
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 import transformers
 
-from ballast.engine import EngineConfig, GlobalNorm, MicroBatchSpec, TrainEngine, agg_loss
+from ballast.engine import EngineConfig, GlobalNorm, MicroBatchSpec, MiniBatchPlan, TrainEngine, agg_loss
 from ballast.engine.forward import ForwardOptions, forward_micro_batch
 from ballast.engine.model import load_model
 from testkit.engine import make_rl_batch, reference_log_probs, spawn_ranks
@@ -97,30 +98,33 @@ def _max_rel_grad_diff(engine, ref_grads):
     return max(float((grads[n] - ref_grads[n]).abs().max()) for n in grads) / float(norm)
 
 
-GOOD_PLAN = [[[6, 1, 3, 0], [2, 4, 5, 7]], [[1], [0]]]
+def _plan(ranks, budget=512):  # 512 tokens: max_token_len_per_gpu=256 with sp=2
+    return MiniBatchPlan(tuple(tuple(np.asarray(mb, dtype=np.int64) for mb in rank) for rank in ranks), budget)
+
+
+GOOD_PLAN = _plan([[[6, 1, 3, 0], [2, 4, 5, 7]], [[1], [0]]])
 BAD_PLANS = {
-    "duplicate": ([[[6, 1, 3, 0], [2, 4, 5, 7]], [[1], [1]]], "not each of 0..1 exactly once"),
-    "missing": ([[[6, 1, 3], [2, 4, 5, 7]], [[1], [0]]], "covers 7 rows but holds 8|exactly once"),
-    "rank_count": ([[[0, 1, 2, 3, 4, 5, 6, 7]], [[0, 1]], [[0]]], "3 ranks, the DP group has 2"),
-    "unequal": ([[[6, 1, 3, 0], [2, 4, 5, 7]], [[0, 1]]], r"unequal micro-batch counts per rank \[2, 1\]"),
-    # only DP rank 0 can see its token sums: rank 1 learns of it through the preflight agreement
-    "over_budget": ([[[0, 1, 2, 3, 4, 5, 6], [7]], [[1], [0]]], "over the budget 512|another DP rank"),
+    # only the rank holding the defect can see it: its peers learn of it through the preflight agreement
+    "duplicate": (_plan([[[6, 1, 3, 0], [2, 4, 5, 7]], [[1], [1]]]), "2 rows exactly once|another DP rank"),
+    "missing": (_plan([[[6, 1, 3], [2, 4, 5, 7]], [[1], [0]]]), "8 rows exactly once|another DP rank"),
+    "rank_count": (_plan([[[0, 1, 2, 3, 4, 5, 6, 7]], [[0, 1]], [[0]]]), "3 ranks, the DP group has 2"),
+    "unequal": (_plan([[[6, 1, 3, 0], [2, 4, 5, 7]], [[0, 1]]]), r"unequal micro-batch counts per rank \[1, 2\]"),
+    "over_budget": (_plan([[[0, 1, 2, 3, 4, 5, 6], [7]], [[1], [0]]]), "over the budget 512|another DP rank"),
 }
 
 
 def _explicit_plans(engine, mine, dp_rank, refs, report):
-    spec = MicroBatchSpec(use_dynamic_bsz=True, max_token_len_per_gpu=256)  # 512 tokens with sp=2
-    metrics = engine.forward_backward_batch(mine, token_mean_loss, spec, plan=GOOD_PLAN)
+    metrics = engine.forward_backward_batch(mine, token_mean_loss, GOOD_PLAN)
     report["explicit/loss"] = (metrics["loss"], refs["union"][0])
     report["explicit/grad"] = _max_rel_grad_diff(engine, refs["union"][1])
     report["explicit/counts"] = (metrics["num_micro_batches"], metrics["num_dummy_micro_batches"])
     engine.zero_grad()
-    out = engine.infer_batch(mine, spec, temperature=TEMPERATURE, calculate_entropy=True, plan=GOOD_PLAN)
+    out = engine.infer_batch(mine, GOOD_PLAN, temperature=TEMPERATURE, calculate_entropy=True)
     rows = slice(0, 8) if dp_rank == 0 else slice(8, 10)
     report["infer_explicit/log_probs"] = float((out["log_probs"] - refs["log_probs"][rows]).abs().max())
     for name, (plan, _) in BAD_PLANS.items():
         try:
-            engine.forward_backward_batch(mine, token_mean_loss, spec, plan=plan)
+            engine.forward_backward_batch(mine, token_mean_loss, plan)
             report[f"bad/{name}"] = "no error"
         except ValueError as exc:
             report[f"bad/{name}"] = str(exc)
@@ -145,7 +149,7 @@ def _uneven_worker(rank, world, root, model_dir):
         "static-1": MicroBatchSpec(micro_batch_size_per_gpu=1),
     }
     for name, spec in specs.items():
-        metrics = engine.forward_backward_batch(mine, token_mean_loss, spec)
+        metrics = engine.forward_backward_batch(mine, token_mean_loss, engine.plan_micro_batches(mine, spec))
         report[f"{name}/loss"] = (metrics["loss"], refs["union"][0])
         report[f"{name}/grad"] = _max_rel_grad_diff(engine, refs["union"][1])
         report[f"{name}/num_dummy"] = metrics["num_dummy_micro_batches"]
@@ -153,7 +157,8 @@ def _uneven_worker(rank, world, root, model_dir):
         engine.zero_grad()
     # a DP rank with no samples at all
     empty = short[:0]
-    metrics = engine.forward_backward_batch(long if parallel.dp_rank == 0 else empty, token_mean_loss, specs["dynamic"])
+    lone = long if parallel.dp_rank == 0 else empty
+    metrics = engine.forward_backward_batch(lone, token_mean_loss, engine.plan_micro_batches(lone, specs["dynamic"]))
     report["empty/loss"] = (metrics["loss"], refs["long_only"][0])
     report["empty/grad"] = _max_rel_grad_diff(engine, refs["long_only"][1])
     engine.zero_grad()
@@ -161,19 +166,20 @@ def _uneven_worker(rank, world, root, model_dir):
     _explicit_plans(engine, mine, parallel.dp_rank, refs, report)
 
     # Ulysses inference, dynamic micro-batches (reordered), restored to input order
-    out = engine.infer_batch(mine, specs["dynamic"], temperature=TEMPERATURE, calculate_entropy=True)
+    out = engine.infer_batch(mine, engine.plan_micro_batches(mine, specs["dynamic"]), temperature=TEMPERATURE,
+                             calculate_entropy=True)
     rows = slice(0, 8) if parallel.dp_rank == 0 else slice(8, 10)
     report["infer/log_probs"] = float((out["log_probs"] - refs["log_probs"][rows]).abs().max())
     report["infer/entropy"] = float((out["entropy"] - refs["entropy"][rows]).abs().max())
     critic = TrainEngine(
         EngineConfig(model_path=model_dir, role="critic", ulysses_sequence_parallel_size=2), parallel=parallel
     )
-    values = critic.infer_batch(mine, specs["dynamic"])["values"]
+    values = critic.infer_batch(mine, critic.plan_micro_batches(mine, specs["dynamic"]))["values"]
     report["infer/values"] = float((values - refs["values"][rows]).abs().max())
-    metrics = critic.forward_backward_batch(mine, value_loss, specs["dynamic"])
+    metrics = critic.forward_backward_batch(mine, value_loss, critic.plan_micro_batches(mine, specs["dynamic"]))
     report["critic/loss"] = (metrics["loss"], refs["critic"][0])
     report["critic/grad"] = _max_rel_grad_diff(critic, refs["critic"][1])
-    empty_out = critic.infer_batch(long if parallel.dp_rank == 0 else empty, specs["static-1"])
+    empty_out = critic.infer_batch(lone, critic.plan_micro_batches(lone, specs["static-1"]))
     report["infer/empty_rows"] = empty_out.batch_size[0]
     gathered = [None] * world
     dist.all_gather_object(gathered, report)

@@ -3,7 +3,7 @@ plain-PyTorch reference for every (dp, sp) layout, micro-batch cut, remove-paddi
 aggregation mode (plus activation checkpointing on one cut, parameters kept gathered between forward
 and backward, `reshard_after_forward=False`, on three cuts, and with more than one rank, hybrid sharding
 with a whole replica per rank, `fsdp_size=1`, on three cuts), and with a central plan
-(`plan_step` over the whole mini-batch, as the trainer's driver makes) instead of per-rank planning.
+(`plan_phase` over the whole mini-batch, as the trainer's driver makes) instead of per-rank planning.
 
 One process group is launched per (dp, sp) layout; inside it every configuration runs against
 references computed once, here, with an unmodified transformers model (sdpa attention), each sample
@@ -25,7 +25,7 @@ import pytest
 import torch
 import transformers
 
-from ballast.balance import plan_step
+from ballast.balance import plan_phase
 from ballast.engine import EngineConfig, MicroBatchSpec, TrainEngine
 from ballast.engine.losses import LOSS_AGG_MODES, agg_loss
 from testkit.engine import full, make_rl_batch, reference_log_probs, spawn_ranks
@@ -132,8 +132,8 @@ def _invariance_worker(rank, world, root, model_dir, sp):
     local = data[parallel.dp_rank * rows : (parallel.dp_rank + 1) * rows]
     lengths = data["attention_mask"].sum(-1).numpy()
     specs = _specs(rows, lengths, sp)
-    central = plan_step(lengths, parallel.dp_size, specs["central-tight"].token_budget(sp))
-    central_local = data[torch.as_tensor(np.split(central.order, parallel.dp_size)[parallel.dp_rank])]
+    central = plan_phase(lengths, parallel.dp_size, specs["central-tight"].policy(sp))
+    central_local = data[torch.as_tensor(central.rank_rows(parallel.dp_rank))]
     results = []
     runs = [(rmpad, False, True, -1, list(specs)) for rmpad in ([True, False] if sp == 1 else [True])]
     runs.append((True, True, True, -1, ["dynamic-tight"]))  # activation checkpointing on
@@ -149,13 +149,14 @@ def _invariance_worker(rank, world, root, model_dir, sp):
         engine = TrainEngine(cfg, parallel=parallel if fsdp_size == -1 else build_parallel_state(sp, "cpu", fsdp_size))
         for spec_name in spec_names:
             spec = specs[spec_name]
-            batch, plan = local, None
             if spec_name == "central-tight":
-                batch, plan = central_local, central.local_micro_batches()
+                batch, plan = central_local, central.mini_batches[0]
+            else:
+                batch = local
+                plan = engine.plan_micro_batches(batch, spec)
             for mode in LOSS_AGG_MODES:
                 metrics = engine.forward_backward_batch(
-                    batch, partial(rl_loss, mode=mode), spec, temperature=TEMPERATURE, calculate_entropy=True,
-                    plan=plan,
+                    batch, partial(rl_loss, mode=mode), plan, temperature=TEMPERATURE, calculate_entropy=True,
                 )
                 grads = {n: full(p.grad) for n, p in engine.model.named_parameters()}
                 engine.zero_grad()
@@ -168,7 +169,7 @@ def _invariance_worker(rank, world, root, model_dir, sp):
                     data_parallel=engine.data_parallel_mode, mode=mode, loss=metrics["loss"], ref_loss=ref_loss,
                     entropy=metrics["entropy"], ref_entropy=ref_entropy, max_grad_diff=max_diff,
                     ref_grad_norm=ref_norm, num_micro_batches=metrics["num_micro_batches"],
-                    planned=central.num_micro_batches,
+                    planned=central.mini_batches[0].num_micro_batches,
                 ))
     if rank == 0:
         with open(os.path.join(root, f"results_{world}_{sp}.json"), "w") as f:

@@ -52,8 +52,8 @@ def _sp3_worker(rank, world, root, model_dir):
     parallel = build_parallel_state(3, "cpu")
     engine = TrainEngine(EngineConfig(model_path=model_dir, ulysses_sequence_parallel_size=3), parallel=parallel)
     spec = MicroBatchSpec(use_dynamic_bsz=True, max_token_len_per_gpu=32)
-    out = engine.infer_batch(data, spec)
-    metrics = engine.forward_backward_batch(data, token_mean_loss, spec)
+    out = engine.infer_batch(data, engine.plan_micro_batches(data, spec))
+    metrics = engine.forward_backward_batch(data, token_mean_loss, engine.plan_micro_batches(data, spec))
     grads = {n: p.grad.full_tensor() for n, p in engine.model.named_parameters()}
     # tied embeddings: lm_head shares embed_tokens, so the reference has one gradient for both
     names = sorted(set(grads) & set(ref["grads"]))

@@ -26,8 +26,7 @@ REQUIRED = [
 @pytest.fixture()
 def session(tiny_task, e2e_ray, tmp_path):
     def make(name, *extra):
-        cfg, sizes = prepare_typed(load_config(overrides(tiny_task, run_dir(tmp_path, name), *extra)))
-        return training_session(cfg, sizes)
+        return training_session(prepare_typed(load_config(overrides(tiny_task, run_dir(tmp_path, name), *extra))))
 
     return make
 
@@ -124,9 +123,9 @@ def test_on_policy_step_skips_the_old_log_prob_pass_and_keeps_its_metrics(sessio
     # supplies the old log-probs, entropy and the rollout-vs-actor check
     extra = ["actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.rollout.calculate_log_probs=True"]
     with session("on_policy", *extra) as trainer:
-        assert trainer.old_log_prob_mode == "update"
+        assert trainer.old_log_probs.mode == "update"
         metrics = trainer.fit()
-    assert "timing_s/old_log_prob" not in metrics and "perf/mfu/old_log_prob" not in metrics
+    assert "timing_s/old_log_prob" not in metrics and "perf/mfu/actor_infer" not in metrics
     _assert_finite(metrics, [k for k in REQUIRED if k != "timing_s/old_log_prob"] + [
         "training/rollout_actor_log_prob_diff/mean", "training/rollout_actor_log_prob_diff/max", "perf/mfu/actor",
         "timing_s/update_weights", "timing_per_token_ms/gen", "timing_per_token_ms/update_actor"])
@@ -138,14 +137,23 @@ def test_on_policy_step_skips_the_old_log_prob_pass_and_keeps_its_metrics(sessio
 
 
 def test_two_mini_batch_step_takes_the_first_ones_old_log_probs_from_the_update(session):
-    # two mini-batches under the central plan: the pass covers only the second one; the first one's
+    # two mini-batches: the update runs a forward-only pass over the second one before its first step; the first one's
     # old log-probs come back from the update and every row's are checked against the rollout's own
     extra = ["actor_rollout_ref.rollout.calculate_log_probs=True", "trainer.total_training_steps=3"]
     with session("partial", *extra) as trainer:
-        assert trainer.old_log_prob_mode == "partial"
+        assert trainer.old_log_probs.mode == "partial"
         metrics = trainer.fit()
     _assert_finite(metrics, REQUIRED + ["training/rollout_actor_log_prob_diff/mean",
-                                        "training/rollout_actor_log_prob_diff/max", "perf/mfu/old_log_prob"])
+                                        "training/rollout_actor_log_prob_diff/max", "perf/mfu/actor_infer"])
     assert metrics["actor/entropy"] > 0
     # a row mapped to the wrong sample, or left at its placeholder, would be off by whole nats
+    assert metrics["training/rollout_actor_log_prob_diff/max"] < 1e-3
+
+
+def test_switching_the_shortcut_off_runs_verls_separate_pass(session):
+    extra = ["actor_rollout_ref.rollout.calculate_log_probs=True", "actor_rollout_ref.actor.old_log_prob_from_update=False"]
+    with session("separate_pass", *extra) as trainer:
+        assert trainer.old_log_probs.mode == "pass"
+        metrics = trainer.fit()
+    _assert_finite(metrics, REQUIRED + ["perf/mfu/actor_infer", "training/rollout_actor_log_prob_diff/max"])
     assert metrics["training/rollout_actor_log_prob_diff/max"] < 1e-3

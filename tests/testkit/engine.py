@@ -197,10 +197,10 @@ def schedule_probe_engine(optim):
     engine.scheduler = build_scheduler(engine.optimizer, optim)
     engine.global_step = engine.skipped_steps = 0
     engine.last_micro_batch_tokens = [[1]]
-    engine.parallel = types.SimpleNamespace(replica_group=None)  # one process: no replicas to agree with
+    engine.parallel = types.SimpleNamespace(replica_group=None, dp_rank=0)  # one process: no replicas to agree with
     engine.seen_lrs = []
 
-    def forward_backward_batch(data, loss_fn, spec, **_):
+    def forward_backward_batch(data, loss_fn, plan, **_):
         engine.seen_lrs.append(engine.optimizer.param_groups[0]["lr"])
         engine.model.weight.grad = torch.ones_like(engine.model.weight)
         return {"loss": 0.0, "num_sequences": float(data.batch_size[0])}

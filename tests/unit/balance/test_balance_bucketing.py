@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ballast.balance import bucket_ids, min_bucketed_micro_batches, plan_bucketed_micro_batches
+from ballast.balance.bucketing import bucket_ids, min_bucketed_micro_batches, plan_bucketed_micro_batches
 
 
 def test_bucket_ids_follow_the_boundaries():

@@ -5,7 +5,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ballast.balance import FlopsModel, balance_batch, validate_partition, workload_costs
+from ballast.balance import FlopsModel, workload_costs
+from ballast.balance.dp_balance import balance_batch
+from ballast.balance.partition import validate_partition
 
 # Seed example (000): 16 samples over 4 ranks; contiguous chunks sum to 21500 / 11800 / 16000 / 15300.
 SIXTEEN = [8000, 6500, 4200, 2800, 3000, 2500, 3500, 2800, 5000, 4000, 3800, 3200, 6000, 3900, 2900, 2500]

@@ -6,15 +6,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ballast.balance import (
-    balance_batch,
-    lockstep_cost,
-    min_micro_batches,
-    plan_dynamic_micro_batches,
-    plan_joint_micro_batches,
-    validate_partition,
-    workload_costs,
-)
+from ballast.balance import workload_costs
+from ballast.balance.dp_balance import balance_batch
+from ballast.balance.joint import lockstep_cost, plan_joint_micro_batches
+from ballast.balance.micro_batch import min_micro_batches, plan_dynamic_micro_batches
+from ballast.balance.partition import validate_partition
 from ballast.balance.joint import refine_lockstep, refine_lockstep_across_ranks
 
 
@@ -139,7 +135,8 @@ def test_refine_across_ranks_swaps_between_ranks_where_one_rank_alone_cannot_imp
 def test_refine_across_ranks_lowers_a_long_context_step_the_per_rank_plan_cannot():
     """Long samples packed near the cap: the per-rank joint plan leaves a gap that swaps between
     ranks close (the benchmark's long-context cases, at a test's size)."""
-    from ballast.balance import FlopsModel, lockstep_lower_bounds
+    from ballast.balance import FlopsModel
+    from ballast.balance.step_plan import lockstep_lower_bounds
 
     model = FlopsModel(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864,
                        vocab_size=151936)

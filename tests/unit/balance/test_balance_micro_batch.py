@@ -8,14 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ballast.balance import (
-    inverse_permutation,
-    min_micro_batches,
-    plan_dynamic_micro_batches,
-    plan_static_micro_batches,
-    validate_partition,
-    workload_costs,
-)
+from ballast.balance import inverse_permutation, workload_costs
+from ballast.balance.micro_batch import min_micro_batches, plan_dynamic_micro_batches, plan_static_micro_batches
+from ballast.balance.partition import validate_partition
 
 SETTINGS = settings(max_examples=60, deadline=None)
 

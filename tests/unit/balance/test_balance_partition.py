@@ -5,7 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ballast.balance import greedy_partition, karmarkar_karp, partition_sums, refine_partition, validate_partition
+from ballast.balance.partition import greedy_partition, karmarkar_karp, partition_sums, validate_partition
+from ballast.balance.refine import refine_partition
 
 SETTINGS = settings(max_examples=60, deadline=None)
 

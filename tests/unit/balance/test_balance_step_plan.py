@@ -9,17 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ballast.balance import (
-    FlopsModel,
-    balance_batch,
-    lockstep_cost,
-    lockstep_lower_bounds,
-    min_micro_batches,
-    plan_dynamic_micro_batches,
-    plan_joint_micro_batches,
-    plan_step,
-    workload_costs,
-)
+from ballast.balance import FlopsModel, workload_costs
+from ballast.balance.dp_balance import balance_batch
+from ballast.balance.joint import lockstep_cost, plan_joint_micro_batches
+from ballast.balance.micro_batch import min_micro_batches, plan_dynamic_micro_batches
+from ballast.balance.step_plan import lockstep_lower_bounds, plan_step
 
 SMALL_MODEL = FlopsModel(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
                          vocab_size=1000)

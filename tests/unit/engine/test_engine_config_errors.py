@@ -21,9 +21,9 @@ def test_fsdp_size_must_be_minus_one_or_a_positive_int(value):
         EngineConfig(model_path="/m", fsdp_size=value)
 
 
-def test_fsdp_shard_size_follows_verls_rule():
-    from ballast.engine.dist import fsdp_shard_size
+def test_shard_size_follows_verls_fsdp_size_rule():
+    from ballast.engine.dist import resolve_shard_size
 
-    assert [fsdp_shard_size(k, 8) for k in (-1, 8, 16, 4, 2, 1)] == [8, 8, 8, 4, 2, 1]
+    assert [resolve_shard_size(k, 8) for k in (-1, 8, 16, 4, 2, 1)] == [8, 8, 8, 4, 2, 1]
     with pytest.raises(ValueError, match="fsdp_size=3 must divide the world size 8"):
-        fsdp_shard_size(3, 8)
+        resolve_shard_size(3, 8)

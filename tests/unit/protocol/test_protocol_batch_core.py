@@ -30,8 +30,8 @@ def test_tensordict_with_extra_batch_dims_keeps_only_sample_dim():
 
 def test_empty_and_meta_only_batches_have_zero_samples():
     assert len(Batch()) == 0 and Batch().keys() == []
-    meta_only = Batch(meta={"metrics": {"loss": [1.0]}})
-    assert len(meta_only) == 0 and meta_only.meta["metrics"] == {"loss": [1.0]}
+    meta_only = Batch(meta={"step": 1})
+    assert len(meta_only) == 0 and meta_only.meta == {"step": 1}
 
 
 def test_keyless_tensordict_declares_size():
@@ -66,7 +66,6 @@ def test_inconsistent_construction_names_key_and_sizes(tensors, non_tensors, mes
         ({"non_tensors": {"u": 3}}, "non-tensor 'u' must be a numpy array or a list, got int"),
         ({"tensors": {1: torch.zeros(2)}}, "keys must be str"),
         ({"meta": [1]}, "meta must be a dict"),
-        ({"meta": {"metrics": [1]}}, r"meta\['metrics'\] must be a dict"),
         ({"tensors": [torch.zeros(2)]}, "tensors must be a TensorDict or a dict"),
     ],
 )
@@ -203,19 +202,19 @@ def test_pop_removes_in_place_and_returns_popped():
 
 def test_union_merges_fields_and_meta():
     left = make_batch(4).select(["row", "tokens", "tag"])
-    left.meta = {"step": 3, "metrics": {"a": [1]}}
+    left.meta = {"step": 3}
     right = make_batch(4).select(["row", "logp", "score"])
-    right.meta = {"temperature": 0.7, "metrics": {"a": [2], "b": [5]}}
+    right.meta = {"temperature": 0.7, "step": 3}
     merged = left.union(right)
     assert merged.keys() == ["row", "tokens", "logp", "tag", "score"]
-    assert merged.meta == {"step": 3, "temperature": 0.7, "metrics": {"a": [1, 2], "b": [5]}}
-    assert "logp" not in left and left.meta == {"step": 3, "metrics": {"a": [1]}}
+    assert merged.meta == {"step": 3, "temperature": 0.7}
+    assert "logp" not in left and left.meta == {"step": 3}
 
 
-def test_union_with_meta_only_batch_adds_metrics():
+def test_union_with_meta_only_batch_adds_its_meta():
     batch = make_batch(3)
-    merged = batch.union(Batch(meta={"metrics": {"loss": [0.5]}}))
-    assert len(merged) == 3 and merged.meta["metrics"] == {"loss": [0.5]}
+    merged = batch.union(Batch(meta={"step": 4}))
+    assert len(merged) == 3 and merged.meta == {"temperature": 1.0, "step": 4}
 
 
 def test_union_errors_name_key_or_sizes():
@@ -243,7 +242,7 @@ def test_union_treats_nan_as_equal():
 
 # ------------------------------------------------------------------ conversion / copies
 def test_to_dict_from_dict_round_trip():
-    batch = make_batch(5, meta={"step": 2, "metrics": {"x": [1.0]}})
+    batch = make_batch(5, meta={"step": 2, "names": {"x": [1.0]}})
     as_dict = batch.to_dict()
     assert set(as_dict) == {"tensors", "non_tensors", "meta"}
     assert set(as_dict["tensors"]) == set(batch.tensor_keys)

@@ -53,19 +53,30 @@ def test_split_sizes_and_errors():
 
 
 # ------------------------------------------------------------------ concat
-def test_concat_merges_samples_and_metrics():
+def test_concat_merges_samples_and_meta():
     parts = make_batch(6).split(2)
-    for position, part in enumerate(parts):
-        part.meta["metrics"] = {"loss": [float(position)], "only_first": [1]} if position == 0 else {"loss": position}
     merged = Batch.concat(parts)
     assert rows(merged) == list(range(6))
-    assert merged.meta == {"temperature": 1.0, "metrics": {"loss": [0.0, 1, 2], "only_first": [1]}}
-    assert parts[0].meta["metrics"]["loss"] == [0.0], "concat must not extend the input's metric lists"
+    assert merged.meta == {"temperature": 1.0}
 
 
-def test_concat_of_meta_only_batches_merges_metrics():
-    merged = Batch.concat([Batch(meta={"metrics": {"a": [1, 2]}}), Batch(meta={"metrics": {"a": [3]}})])
-    assert len(merged) == 0 and merged.meta == {"metrics": {"a": [1, 2, 3]}}
+def test_outputs_concatenate_batches_extend_metrics_and_drop_dispatch_padding():
+    from ballast.protocol import Output
+
+    parts = make_batch(6).split(2)
+    outputs = [Output(p, {"loss": [float(i)], **({"only_first": [1.0]} if i == 0 else {})}) for i, p in enumerate(parts)]
+    merged = Output.concat(outputs, pad_count=1)
+    assert rows(merged.batch) == list(range(5))
+    assert merged.metrics == {"loss": [0.0, 1.0, 2.0], "only_first": [1.0]}
+    assert merged.mean_metrics() == {"loss": 1.0, "only_first": 1.0}
+    with pytest.raises(TypeError, match="lists of per-rank values"):
+        Output(parts[0], {"loss": 1.0})
+    with pytest.raises(TypeError, match="must be a Batch"):
+        Output({"x": 1})
+
+def test_concat_of_meta_only_batches_keeps_their_meta():
+    merged = Batch.concat([Batch(meta={"a": [1, 2]}), Batch(meta={"a": [1, 2]})])
+    assert len(merged) == 0 and merged.meta == {"a": [1, 2]}
 
 
 def test_concat_accepts_string_arrays_of_different_widths():
@@ -94,7 +105,7 @@ def test_concat_errors_name_key_and_batch():
         Batch.concat([batch, double])
 
 
-def test_concat_meta_must_agree_except_metrics():
+def test_concat_meta_must_agree():
     first, second = make_batch(2), make_batch(2)
     second.meta["temperature"] = 0.5
     with pytest.raises(ValueError, match="meta key 'temperature' disagrees: batch 0 has 1.0, batch 1 has 0.5"):

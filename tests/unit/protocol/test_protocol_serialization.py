@@ -30,7 +30,7 @@ def dtype_zoo(num_samples: int) -> Batch:
     tensors["wide"] = torch.randn(num_samples, 2, 5, generator=generator)
     uids = [f"uid-{i}" for i in range(num_samples)]
     truths = [{"ground_truth": str(i * 7)} for i in range(num_samples)]
-    return Batch(tensors, {"uid": uids, "reward_model": truths}, {"step": 3, "metrics": {"x": [1.5]}})
+    return Batch(tensors, {"uid": uids, "reward_model": truths}, {"step": 3, "names": {"x": [1.5]}})
 
 
 def tensor_bytes(batch: Batch) -> int:
@@ -53,7 +53,7 @@ def test_out_of_band_buffers_hold_exactly_the_tensor_bytes_and_round_trip():
     for key in batch.tensor_keys:
         assert restored[key].dtype == batch[key].dtype and restored[key].shape == batch[key].shape
     assert list(restored["uid"]) == list(batch["uid"]) and restored["reward_model"][5] == {"ground_truth": "35"}
-    assert restored.meta == {"step": 3, "metrics": {"x": [1.5]}}
+    assert restored.meta == {"step": 3, "names": {"x": [1.5]}}
 
 
 def test_in_band_payload_does_not_grow_with_tensor_size():
@@ -117,7 +117,7 @@ def test_detached_grad_tensors_and_empty_batches_round_trip():
     restored = pickle.loads(pickle.dumps(batch, protocol=5))
     assert not restored["w"].requires_grad and torch.equal(restored["w"], (weights * 2).detach())
     assert restored["none"].shape == (3, 0) and restored["none"].dtype == torch.bfloat16
-    for empty in (Batch(), Batch(meta={"metrics": {"a": [1]}}), make_batch(0)):
+    for empty in (Batch(), Batch(meta={"names": {"a": [1]}}), make_batch(0)):
         assert pickle.loads(pickle.dumps(empty, protocol=5)).equals(empty)
 
 

@@ -14,6 +14,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from ballast.balance import MicroBatchMode, MicroBatchPolicy, plan_phase
+
 from ballast.workers.train_loop import UpdateResult
 from ballast.protocol import Batch
 from ballast.workers import actor_rollout_ref
@@ -117,19 +119,20 @@ def _served(worker) -> int:
     ids = torch.tensor([[5, 6, 7]])
     prompts = Batch({"input_ids": ids, "attention_mask": torch.ones_like(ids),
                      "position_ids": torch.arange(3)[None]})
-    out = worker.generate_sequences(prompts)
+    out = worker.generate_sequences(prompts).batch
     return int(out.tensors["responses"][0, 0])
 
 
 def _update_actor(worker, monkeypatch):
-    def fake_train_loop(actor, data, spec, dp_rank, prefix, **kwargs):
+    def fake_train_loop(actor, data, plan, spec, prefix, **kwargs):
         actor.version += 1
         return UpdateResult({}, [])
 
     monkeypatch.setattr(actor_rollout_ref, "run_train_loop", fake_train_loop)
     monkeypatch.setattr(actor_rollout_ref, "mfu_metrics", lambda *args, **kwargs: {})
+    plan = plan_phase([3], 1, MicroBatchPolicy(MicroBatchMode.STATIC, micro_batch_size=1))
     worker.update_actor(Batch({"input_ids": torch.zeros(1, 3, dtype=torch.long),
-                               "old_log_probs": torch.zeros(1, 3)}))
+                               "old_log_probs": torch.zeros(1, 3)}), plan)
 
 
 def test_level2_reloads_weights_after_every_sleep_and_syncs_before_waking_the_cache(fake_vllm, tmp_path, monkeypatch):

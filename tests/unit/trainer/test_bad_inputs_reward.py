@@ -91,10 +91,10 @@ def test_reward_error_names_the_step_and_dataset_row_and_keeps_the_users_traceba
         RewardManager(tokenizer, broken)(_indexed_batch(), step=7)
     assert isinstance(info.value.__cause__, TypeError)
 
-    def raising_run(cfg, sizes, raw_config=None, resume=None):
+    def raising_run(prepared, raw_config=None, resume=None):
         raise info.value
 
-    monkeypatch.setattr(main, "prepare", lambda raw: (None, None))
+    monkeypatch.setattr(main, "prepare", lambda raw: main.PreparedRun(cfg=None, plan=None, data=None, reward=None))
     monkeypatch.setattr(main, "run", raising_run)
     monkeypatch.setattr(preflight, "claim_run_dir", lambda cfg: (None, None))
     code = main.cli_run(OmegaConf.create({}))

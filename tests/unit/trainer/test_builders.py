@@ -5,8 +5,9 @@ import dataclasses
 
 import pytest
 
-from ballast.trainer.builders import actor_rollout_ref_spec, critic_spec, rollout_config
-from ballast.trainer.config import ConfigError, ModelInfo, check_config, load_config
+from ballast.trainer.builders import rollout_config
+from ballast.trainer.config import ConfigError, ModelInfo, load_config
+from ballast.trainer.run_plan import plan_run
 from ballast.workers.rollout.vllm_backend import engine_kwargs
 
 TINY = ModelInfo(4, 2, 128, 2, 256, 512, 2048)
@@ -19,8 +20,8 @@ BASE = ["data.train_files=/d.parquet", "actor_rollout_ref.model.path=/m", "train
 
 def _spec(*extra):
     cfg = load_config(BASE + list(extra))
-    sizes = check_config(cfg, TINY)
-    return cfg, sizes, actor_rollout_ref_spec(cfg, sizes, total_steps=100)
+    plan = plan_run(cfg, TINY, total_steps=100)
+    return cfg, plan.sizes, plan.specs.actor_rollout_ref
 
 
 def test_rollout_knobs_reach_vllm():
@@ -73,20 +74,20 @@ def test_actor_spec_carries_sizes_bucketing_and_adaptive_clip():
                              "actor_rollout_ref.actor.grad_clip_min_batch_size=8",
                              "actor_rollout_ref.actor.clip_ratio_high=0.28", "actor_rollout_ref.rollout.temperature=0.7")
     train = spec.actor_train
-    assert train.mini_batch_samples_per_rank == sizes.actor.mini_batch_samples_per_rank == 4
-    assert train.micro.max_token_len_per_gpu == 2048 and train.micro.bucket_boundaries == (64, 256)
+    assert sizes.actor.mini_batch_samples_per_rank == 4  # the driver plans with it; the spec has no sizes
+    assert sizes.actor.train.max_token_len_per_gpu == 2048 and sizes.actor.train.bucket_boundaries == (64, 256)
     assert train.grad_clip_min_batch_size == 8 and train.temperature == 0.7
     loss_cfg = train.loss_fn.keywords["cfg"]
     assert (loss_cfg.clip_ratio_low, loss_cfg.clip_ratio_high) == (0.2, 0.28)
     assert spec.rollout.sampling.temperature == 0.7 and spec.rollout_val_sampling.do_sample is False
     assert spec.ref is None  # no KL: no reference model
     _, _, no_adaptive = _spec()
-    assert no_adaptive.actor_train.grad_clip_min_batch_size is None and no_adaptive.actor_train.micro.bucket_boundaries is None
+    assert no_adaptive.actor_train.grad_clip_min_batch_size is None
 
 
 def test_critic_spec_for_gae():
     cfg = load_config(BASE + ["algorithm.adv_estimator=gae", "critic.optim.lr=3e-5"])
-    sizes = check_config(cfg, TINY)
-    spec = critic_spec(cfg, sizes, total_steps=10)
+    plan = plan_run(cfg, TINY, total_steps=10)
+    spec, sizes = plan.specs.critic, plan.sizes
     assert spec.critic.role == "critic" and spec.critic.optim.lr == 3e-5
-    assert spec.train.micro.use_dynamic_bsz and spec.train.mini_batch_samples_per_rank == 4
+    assert sizes.critic.train.use_dynamic_bsz and sizes.critic.mini_batch_samples_per_rank == 4

@@ -15,9 +15,10 @@ from ballast.trainer.config.gpu_memory import GIB, check_rollout_gpu_memory, che
 H200_BYTES = 141 * 10**9
 
 
-def _cfg(*overrides, gpus=1):
+def _cfg(*overrides, gpus=1, estimator="grpo"):
+    """A colocated run; GRPO (no critic) unless `estimator="gae"` (PPO with a critic worker)."""
     return load_config(["data.train_files=/data/train.parquet", "actor_rollout_ref.model.path=/models/x",
-                        f"trainer.n_gpus_per_node={gpus}", *overrides])
+                        f"trainer.n_gpus_per_node={gpus}", f"algorithm.adv_estimator={estimator}", *overrides])
 
 
 def test_checkpoint_param_count_reads_safetensors_headers(tmp_path):
@@ -43,10 +44,49 @@ def test_verl_style_utilization_is_rejected_when_actor_and_ref_shards_are_reside
 def test_the_same_utilization_fits_when_the_shards_are_small_or_offloaded():
     check_rollout_gpu_memory(_cfg("actor_rollout_ref.rollout.gpu_memory_utilization=0.9", gpus=8),
                              7 * 10**9, H200_BYTES)  # 3.5 GB actor shard per GPU, no reference
+    # FSDP2 CPU offload (offload_policy) is what keeps the parameters off the GPU; param_offload is a
+    # start-up error for the actor (not implemented), so it must not make the check pass.
     offloaded = _cfg("actor_rollout_ref.rollout.gpu_memory_utilization=0.9",
-                     "actor_rollout_ref.actor.fsdp_config.param_offload=true")
+                     "actor_rollout_ref.actor.fsdp_config.offload_policy=true")
     assert gpu_memory.rollout_memory_plan(offloaded, 7 * 10**9, H200_BYTES).actor_bytes == 0
     check_rollout_gpu_memory(offloaded, 7 * 10**9, H200_BYTES)
+    ref_offloaded = _cfg("actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.ref.fsdp_config.offload_policy=true")
+    assert gpu_memory.rollout_memory_plan(ref_offloaded, 7 * 10**9, H200_BYTES).ref_bytes == 0
+
+
+@pytest.mark.parametrize("fsdp_size, shard_bytes, fits", [(-1, 3_500_000_000, True), (8, 3_500_000_000, True),
+                                                          (2, 14 * 10**9, False), (1, 28 * 10**9, False)])
+def test_a_rank_holds_one_fsdp_size_th_of_the_actor_and_reference(fsdp_size, shard_bytes, fits):
+    """8 GPUs, 7B: fully sharded, each rank holds 1/8; hybrid sharding (fsdp_size=k) 1/k; whole replicas
+    (fsdp_size=1) all of it, and the reference model shares the actor's mesh."""
+    cfg = _cfg("actor_rollout_ref.rollout.gpu_memory_utilization=0.9", "actor_rollout_ref.actor.use_kl_loss=true",
+               f"actor_rollout_ref.actor.fsdp_config.fsdp_size={fsdp_size}", gpus=8)
+    plan = gpu_memory.rollout_memory_plan(cfg, 7 * 10**9, H200_BYTES)
+    assert plan.actor_bytes == plan.ref_bytes == shard_bytes
+    if fits:
+        check_rollout_gpu_memory(cfg, 7 * 10**9, H200_BYTES)
+        return
+    with pytest.raises(ConfigError) as err:  # 2 x 14 GB or 2 x 28 GB beside a 0.9 x 141 GB request
+        check_rollout_gpu_memory(cfg, 7 * 10**9, H200_BYTES)
+    assert f"fsdp_size={fsdp_size} over 8 GPU(s)" in str(err.value)
+    assert f"use at most {plan.max_utilization:.2f}" in str(err.value) and plan.max_utilization < 0.8
+
+
+def test_a_colocated_critic_counts_with_its_own_process():
+    """PPO (GAE): the critic worker's shards and CUDA context share every GPU with the vLLM engine."""
+    grpo = _cfg("actor_rollout_ref.rollout.gpu_memory_utilization=0.7")
+    gae = _cfg("actor_rollout_ref.rollout.gpu_memory_utilization=0.7", estimator="gae")
+    check_rollout_gpu_memory(grpo, 7 * 10**9, H200_BYTES)  # 28 GB actor + 1 GiB: up to 0.79 fits
+    plan = gpu_memory.rollout_memory_plan(gae, 7 * 10**9, H200_BYTES)
+    assert plan.critic_bytes == 28 * 10**9 and plan.overhead_bytes == 2 * GIB
+    with pytest.raises(ConfigError, match=r"critic \(26\.08 GiB\).*use at most 0\.58"):
+        check_rollout_gpu_memory(gae, 7 * 10**9, H200_BYTES)
+    # a smaller value model of its own, a critic shard over fsdp_size, or an offloaded critic
+    assert gpu_memory.rollout_memory_plan(gae, 7 * 10**9, H200_BYTES, critic_param_count=10**9).critic_bytes == 4 * 10**9
+    sharded = _cfg("critic.fsdp_config.fsdp_size=4", gpus=8, estimator="gae")
+    assert gpu_memory.rollout_memory_plan(sharded, 7 * 10**9, H200_BYTES).critic_bytes == 7 * 10**9
+    offloaded = _cfg("critic.fsdp_config.offload_policy=true", estimator="gae")
+    assert gpu_memory.rollout_memory_plan(offloaded, 7 * 10**9, H200_BYTES).critic_bytes == 0
 
 
 def test_too_small_a_utilization_for_vllms_own_weights_needs_a_fixed_kv_cache():
@@ -88,7 +128,7 @@ def test_gpu_smoke_grpo_overrides_form_a_valid_config_that_fits_an_h200():
     import shlex
     from pathlib import Path
 
-    from ballast.trainer.config import check_config
+    from ballast.trainer.run_plan import plan_run
 
     script = (Path(__file__).resolve().parents[3] / "scripts" / "gpu_smoke.sh").read_text()
     block = script[script.index("-m ballast.trainer.main"):script.index('} >"$OUT/grpo.log"')]
@@ -97,5 +137,5 @@ def test_gpu_smoke_grpo_overrides_form_a_valid_config_that_fits_an_h200():
     overrides = [tok for tok in shlex.split(block)[1:] if "=" in tok]
     assert "actor_rollout_ref.rollout.kv_cache_memory_bytes=67108864" in overrides
     cfg = load_config(overrides)
-    check_config(cfg)
+    plan_run(cfg, None, total_steps=cfg.trainer.total_training_steps)
     check_rollout_gpu_memory(cfg, 460_000, H200_BYTES)  # the tiny preset: well under a million parameters

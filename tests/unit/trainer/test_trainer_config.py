@@ -6,8 +6,9 @@ import typing
 import pytest
 
 from ballast.trainer.config import (
-    BallastConfig, ConfigError, ModelInfo, check_config, compose, derive_sizes, load_config,
+    BallastConfig, ConfigError, ModelInfo, compose, derive_sizes, load_config,
 )
+from ballast.trainer.run_plan import plan_run
 
 REQUIRED = ["data.train_files=/data/train.parquet", "actor_rollout_ref.model.path=/models/tiny"]
 # A small valid layout: 4 workers, 8 prompts x 4 samples, static micro-batches.
@@ -84,7 +85,7 @@ def test_missing_required_value_names_the_key():
 
 def test_derived_sizes_static_layout():
     cfg = _cfg("algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.use_kl_loss=True")
-    sizes = check_config(cfg, TINY)
+    sizes = plan_run(cfg, TINY, total_steps=100).sizes
     assert sizes.world_size == 4 and sizes.samples_per_step == 32
     assert sizes.actor.dp_size == 4 and sizes.actor.samples_per_rank == 8
     assert sizes.actor.mini_batch_samples == 16 and sizes.actor.mini_batch_samples_per_rank == 4
@@ -98,7 +99,7 @@ def test_derived_sizes_dynamic_with_sp_and_tp():
     cfg = _cfg("actor_rollout_ref.actor.use_dynamic_bsz=True", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=256",
                "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
                "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "critic.ulysses_sequence_parallel_size=2")
-    sizes = check_config(cfg, TINY)
+    sizes = plan_run(cfg, TINY, total_steps=100).sizes
     assert sizes.actor.dp_size == 2 and sizes.actor.sp_size == 2
     assert sizes.actor.token_budget(sizes.actor.train) == 512 and sizes.actor.grad_accum_steps is None
     assert sizes.actor.mini_batch_samples_per_rank == 8
@@ -159,7 +160,7 @@ INVALID = [
 @pytest.mark.parametrize("overrides, fragment", INVALID, ids=[frag for _, frag in INVALID])
 def test_invalid_config_is_a_start_up_error_naming_the_keys(overrides, fragment):
     with pytest.raises(ConfigError) as info:
-        check_config(_cfg(*overrides), TINY)
+        plan_run(_cfg(*overrides), TINY, total_steps=100)
     assert fragment in str(info.value), str(info.value)
 
 

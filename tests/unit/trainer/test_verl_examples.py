@@ -5,10 +5,14 @@ The override lists are verl's GRPO (examples/grpo_trainer), PPO (examples/ppo_tr
 as published, with `$HOME/...` paths replaced; `trainer.device=cuda` because they are GPU runs.
 """
 
+import shlex
+from pathlib import Path
+
 import pytest
 
-from ballast.trainer.builders import actor_loss_config, actor_rollout_ref_spec, critic_spec
-from ballast.trainer.config import ModelInfo, check_config, load_config
+from ballast.trainer.builders import actor_loss_config
+from ballast.trainer.config import ModelInfo, load_config
+from ballast.trainer.run_plan import plan_run
 
 MODEL = ModelInfo(num_attention_heads=28, num_key_value_heads=4, hidden_size=3584, num_hidden_layers=28,
                   intermediate_size=18944, vocab_size=152064, max_position_embeddings=32768)
@@ -76,11 +80,11 @@ trainer.test_freq=5 trainer.save_freq=5 trainer.total_epochs=1 trainer.resume_mo
 @pytest.mark.parametrize("name, line", [("grpo", GRPO), ("ppo", PPO), ("dapo", DAPO)])
 def test_verl_example_command_lines_validate_unchanged(name, line):
     cfg = load_config(PATHS + line.split())
-    sizes = check_config(cfg, MODEL)
-    spec = actor_rollout_ref_spec(cfg, sizes, total_steps=100)
-    assert sizes.use_critic == (name == "ppo")
+    plan = plan_run(cfg, MODEL, total_steps=100)
+    spec = plan.specs.actor_rollout_ref
+    assert plan.sizes.use_critic == (name == "ppo")
     if name == "ppo":
-        assert critic_spec(cfg, sizes, total_steps=100).critic.cpu_offload is False
+        assert plan.specs.critic.critic.cpu_offload is False
     if name == "grpo":
         assert spec.ref.cpu_offload is True and actor_loss_config(cfg).use_kl_loss
     if name == "dapo":
@@ -88,3 +92,12 @@ def test_verl_example_command_lines_validate_unchanged(name, line):
         assert (loss.clip_ratio_low, loss.clip_ratio_high, loss.clip_ratio_c) == (0.2, 0.28, 10.0)
         assert cfg.algorithm.filter_groups.metric == "acc" and cfg.reward_model.overlong_buffer.len == 4096
         assert cfg.data.gen_batch_size == 1536
+
+
+def test_the_dapo_example_script_is_verls_dapo_command_line():
+    """examples/run_dapo_gsm8k.sh runs the DAPO line above with only the model and data paths changed."""
+    script = (Path(__file__).resolve().parents[3] / "examples" / "run_dapo_gsm8k.sh").read_text()
+    command = script[script.index("python -m ballast.trainer.main"):].replace("\\\n", " ")
+    args = [arg.replace("$MODEL", "/models/Qwen2.5-7B").replace("$DATA", "/data/gsm8k")
+            for arg in shlex.split(command)[3:] if arg != "$@"]
+    assert args == PATHS[:2] + DAPO.split()

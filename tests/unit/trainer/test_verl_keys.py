@@ -3,8 +3,9 @@ start-up with an error naming the key."""
 
 import pytest
 
-from ballast.trainer.builders import actor_loss_config, actor_rollout_ref_spec, critic_spec, engine_optim
-from ballast.trainer.config import ConfigError, ModelInfo, check_config, load_config
+from ballast.trainer.builders import actor_loss_config, engine_optim
+from ballast.trainer.config import ConfigError, ModelInfo, load_config
+from ballast.trainer.run_plan import plan_run
 
 TINY = ModelInfo(4, 2, 128, 2, 256, 512, 2048)
 BASE = ["data.train_files=/d.parquet", "actor_rollout_ref.model.path=/m", "trainer.n_gpus_per_node=2",
@@ -14,8 +15,9 @@ BASE = ["data.train_files=/d.parquet", "actor_rollout_ref.model.path=/m", "train
 
 
 def _checked(*overrides, device="cpu"):
+    """(config, its plan for 10 steps)."""
     cfg = load_config(BASE + [f"trainer.device={device}"] + list(overrides))
-    return cfg, check_config(cfg, TINY)
+    return cfg, plan_run(cfg, TINY, total_steps=10)
 
 
 @pytest.mark.parametrize("key", ["actor_rollout_ref.actor.fsdp_config.param_offload",
@@ -37,22 +39,53 @@ def test_between_phase_offload_is_rejected_not_merged(key):
 
 
 def test_offload_policy_and_ref_param_offload_mean_fsdp2_cpu_offload():
-    cfg, sizes = _checked("actor_rollout_ref.ref.fsdp_config.param_offload=True", "actor_rollout_ref.actor.use_kl_loss=True",
-                          device="cuda")
-    spec = actor_rollout_ref_spec(cfg, sizes, total_steps=10)
+    _, plan = _checked("actor_rollout_ref.ref.fsdp_config.param_offload=True", "actor_rollout_ref.actor.use_kl_loss=True",
+                       device="cuda")
+    spec = plan.specs.actor_rollout_ref
     assert spec.ref.cpu_offload is True and spec.actor.cpu_offload is False
-    cfg, sizes = _checked("actor_rollout_ref.actor.fsdp_config.offload_policy=True", device="cuda")
-    assert actor_rollout_ref_spec(cfg, sizes, total_steps=10).actor.cpu_offload is True
+    _, plan = _checked("actor_rollout_ref.actor.fsdp_config.offload_policy=True", device="cuda")
+    assert plan.specs.actor_rollout_ref.actor.cpu_offload is True
 
 
 def test_fsdp_size_is_hybrid_sharding_and_the_reference_model_follows_the_actor():
-    cfg, sizes = _checked("actor_rollout_ref.actor.fsdp_config.fsdp_size=1", "actor_rollout_ref.actor.use_kl_loss=True")
-    spec = actor_rollout_ref_spec(cfg, sizes, total_steps=10)
+    _, plan = _checked("actor_rollout_ref.actor.fsdp_config.fsdp_size=1", "actor_rollout_ref.actor.use_kl_loss=True")
+    spec = plan.specs.actor_rollout_ref
     assert spec.actor.fsdp_size == 1 and spec.ref.fsdp_size == 1  # verl: one mesh per worker, from the actor's
-    cfg, sizes = _checked("critic.fsdp_config.fsdp_size=2", "algorithm.adv_estimator=gae")
-    assert critic_spec(cfg, sizes, total_steps=10).critic.fsdp_size == 2
-    assert actor_rollout_ref_spec(cfg, sizes, total_steps=10).actor.fsdp_size == -1
+    _, plan = _checked("critic.fsdp_config.fsdp_size=2", "algorithm.adv_estimator=gae")
+    assert plan.specs.critic.critic.fsdp_size == 2
+    assert plan.specs.actor_rollout_ref.actor.fsdp_size == -1
     _checked("actor_rollout_ref.actor.fsdp_config.fsdp_size=8")  # >= the worker count: shard over all, as verl
+
+
+def test_one_fsdp_section_type_in_four_places_with_inheritance():
+    # critic.model.fsdp_config (verl's older spelling): a field set there overrides critic.fsdp_config.
+    _, plan = _checked("algorithm.adv_estimator=gae", "critic.model.fsdp_config.offload_policy=True",
+                       "critic.model.fsdp_config.reshard_after_forward=False", "critic.fsdp_config.fsdp_size=2",
+                       device="cuda")
+    critic = plan.specs.critic.critic
+    assert (critic.cpu_offload, critic.reshard_after_forward, critic.fsdp_size) == (True, False, 2)
+    # The reference model: its own offload and resharding, the actor's mesh (its null fsdp_size).
+    _, plan = _checked("actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.fsdp_config.fsdp_size=1",
+                       "actor_rollout_ref.actor.fsdp_config.reshard_after_forward=False")
+    ref = plan.specs.actor_rollout_ref.ref
+    assert (ref.fsdp_size, ref.reshard_after_forward, ref.cpu_offload) == (1, True, False)
+    _checked("actor_rollout_ref.ref.fsdp_config.fsdp_size=1", "actor_rollout_ref.actor.fsdp_config.fsdp_size=1")
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["actor_rollout_ref.ref.fsdp_config.fsdp_size=1"],
+     "actor_rollout_ref.ref.fsdp_config.fsdp_size=1 differs from actor_rollout_ref.actor.fsdp_config.fsdp_size=-1"),
+    (["actor_rollout_ref.actor.fsdp_config.reshard_after_forward=null"],
+     "actor_rollout_ref.actor.fsdp_config.reshard_after_forward=null: set a value"),
+    (["critic.fsdp_config.fsdp_size=null"], "critic.fsdp_config.fsdp_size=null: set a value"),
+    (["actor_rollout_ref.ref.fsdp_config.optimizer_offload=True"],
+     "actor_rollout_ref.ref.fsdp_config.optimizer_offload=True .* not implemented"),
+    (["critic.model.fsdp_config.fsdp_size=3", "trainer.n_gpus_per_node=4"],
+     "critic.model.fsdp_config.fsdp_size=3: must be -1"),
+])
+def test_fsdp_sections_that_cannot_run_fail_at_start_up(overrides, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        _checked(*overrides, device="cuda")
 
 
 @pytest.mark.parametrize("key, value", [("actor_rollout_ref.actor.fsdp_config.fsdp_size", 3),
@@ -77,6 +110,8 @@ def test_fsdp_size_that_does_not_divide_the_workers_fails_at_start_up(key, value
     (["reward_model.overlong_buffer.enable=True", "reward_model.overlong_buffer.len=512"],
      "overlong_buffer.len=512 must be in \\(0, data.max_response_length=256\\]"),
     (["reward_model.reward_manager=prime"], "reward_model.reward_manager='prime' is not one of"),
+    (["reward_model.overlong_buffer.enable=True", "reward_model.overlong_buffer.len=64"],
+     "overlong_buffer.enable=True is applied by reward_model.reward_manager=dapo only"),
     (["data.gen_batch_size=12"], "data.gen_batch_size=12 differs from data.train_batch_size=8 but algorithm.filter_groups"),
     (["data.gen_batch_size=3", "algorithm.filter_groups.enable=True", "actor_rollout_ref.rollout.n=1",
       "actor_rollout_ref.rollout.n=3"], "gen_batch_size \\* actor_rollout_ref.rollout.n = 9 samples must divide"),
@@ -99,14 +134,13 @@ def test_scheduler_type_spellings_and_warmup_fallback_as_verl():
 
 
 def test_accepted_verl_keys_reach_the_loss_and_the_update():
-    cfg, sizes = _checked("actor_rollout_ref.actor.loss_scale_factor=512", "actor_rollout_ref.actor.calculate_entropy=True",
+    cfg, plan = _checked("actor_rollout_ref.actor.loss_scale_factor=512", "actor_rollout_ref.actor.calculate_entropy=True",
                           "actor_rollout_ref.actor.use_torch_compile=False", "data.return_raw_chat=True",
                           "actor_rollout_ref.actor.data_loader_seed=7", "critic.data_loader_seed=7",
                           "data.truncation=middle",
                           "actor_rollout_ref.rollout.mode=sync")
     assert actor_loss_config(cfg).loss_scale_factor == 512
-    spec = actor_rollout_ref_spec(cfg, sizes, total_steps=10)
-    assert spec.actor_train.calculate_entropy is True
-    cfg, sizes = _checked("algorithm.adv_estimator=gae", "actor_rollout_ref.actor.loss_scale_factor=64")
-    critic = critic_spec(cfg, sizes, total_steps=10)
+    assert plan.specs.actor_rollout_ref.actor_train.calculate_entropy is True
+    _, plan = _checked("algorithm.adv_estimator=gae", "actor_rollout_ref.actor.loss_scale_factor=64")
+    critic = plan.specs.critic
     assert critic.critic.cpu_offload is False and critic.train.loss_fn.keywords["cfg"].loss_scale_factor == 64

@@ -6,6 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from ballast.trainer.config.schema.choice import choice
+
+# verl's reward managers Ballast has (`ballast.trainer.reward.REWARD_MANAGERS`; a test keeps the two equal).
+RewardManagerName = choice("RewardManagerName", __name__, "naive", "dapo")
+# The in-reward KL coefficient's controllers (`ballast.trainer.algorithms.kl`; a test keeps the two equal).
+KLControlType = choice("KLControlType", __name__, "fixed", "adaptive")
+
 
 @dataclass(frozen=True)
 class CustomRewardConfig:
@@ -18,7 +25,7 @@ class CustomRewardConfig:
 @dataclass(frozen=True)
 class OverlongBufferConfig:
     enable: bool
-    """DAPO's soft overlong punishment."""
+    """DAPO's soft overlong punishment (needs `reward_model.reward_manager=dapo`)."""
     len: int
     """Answers longer than `data.max_response_length - len` tokens lose reward linearly."""
     penalty_factor: float
@@ -29,8 +36,8 @@ class OverlongBufferConfig:
 
 @dataclass(frozen=True)
 class RewardModelConfig:
-    reward_manager: str
-    """`naive` or `dapo`: both score with the rule reward and apply the overlong buffer when enabled."""
+    reward_manager: RewardManagerName
+    """`naive` or `dapo` (verl's managers): `dapo` records a plain-number score as `acc` and applies the overlong buffer."""
     overlong_buffer: OverlongBufferConfig
     """DAPO's overlong reward shaping."""
 
@@ -43,7 +50,7 @@ class RewardConfig:
 
 @dataclass(frozen=True)
 class KLControlConfig:
-    type: str
+    type: KLControlType
     """In-reward KL coefficient: `fixed` or `adaptive`."""
     kl_coef: float
     """(Initial) KL coefficient."""
