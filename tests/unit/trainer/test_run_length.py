@@ -85,7 +85,6 @@ def _trainer(steps_with_data, save_freq, total_steps=10):
     trainer.cfg, trainer.total_steps, trainer.global_step = cfg, total_steps, 0
     trainer.data = SimpleNamespace(next_prompts=next_prompts, val=None)
     trainer.tracker, trainer._pending_metrics = _Tracker(), {}
-    trainer._resume_checked, trainer._resumed_from = True, None
     trainer.train_step = lambda prompts, step: {"training/global_step": float(step)}
     trainer.save_checkpoint = lambda: saved.append(trainer.global_step)
     return trainer, saved
