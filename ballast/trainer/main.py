@@ -166,7 +166,7 @@ def training_session(prepared: PreparedRun, raw_config: Optional[dict] = None,
     from ballast.trainer.tracking import Tracker
 
     cfg, plan = prepared.cfg, prepared.plan
-    ray_session = tracker = workers = None
+    ray_session = tracker = workers = ended_by = None
     try:
         ray_session = start_ray(cfg)
         signals.reinstall()  # ray.init replaced the command line's handlers
@@ -180,8 +180,11 @@ def training_session(prepared: PreparedRun, raw_config: Optional[dict] = None,
         trainer = RayPPOTrainer(cfg, plan.sizes, prepared.data, workers, prepared.reward, tracker, model_config)
         trainer.resume(resume if resume is not None else resume_point(cfg.trainer))
         yield trainer
+    except BaseException as err:
+        ended_by = err
+        raise
     finally:
-        shutdown(sys.exc_info()[1], tracker, workers, ray_session)
+        shutdown(ended_by, tracker, workers, ray_session)
 
 
 def shutdown(err: Optional[BaseException], tracker, workers, ray_session: Optional[RaySession]) -> None:
