@@ -8,7 +8,8 @@ machine never count:
   is re-parented to pytest instead of to init). At the end, every live descendant is a leftover.
 * Ray session directories: `RAY_TMPDIR` (Ray's own variable, which Ballast's local Ray also follows)
   points at a fresh directory of this session, so every `ray_*` directory the suite's Ray instances
-  create lands there. At the end, anything left in it is a leftover.
+  create lands there. At the end, a `ray_*` directory left in it is a leftover (the directory itself,
+  with anything else Ray kept there, is removed).
 
 Leftovers are listed, the session's exit status is set to "tests failed", and then they are removed
 (processes killed, directories deleted) so that one failing run does not burden the next. Processes
@@ -100,7 +101,10 @@ def find_leftovers():
         time.sleep(0.2)
     processes = [_describe(pid) for pid in pids]
     root = _session.get("ray_root")
-    dirs = sorted(os.path.join(root, name) for name in os.listdir(root)) if root and os.path.isdir(root) else []
+    names = os.listdir(root) if root and os.path.isdir(root) else []
+    # `ray_*`: a session directory Ballast (or a test) made and had to remove. Ray's own default
+    # directory (`ray/`, from a `ray start` without --temp-dir) is Ray's to keep; it goes with the root.
+    dirs = sorted(os.path.join(root, name) for name in names if name.startswith("ray_"))
     return pids, processes, dirs
 
 
