@@ -1,7 +1,8 @@
 """The real command line under the faults a scheduler and a busy user produce: SIGTERM mid-run
 (exit 143, `ballast: terminated`, optionally a checkpoint of the finished step), a second run into a
-directory in use (exit 2 naming the holder's pid), a fresh start on top of an old run (exit 2), and no
-Ray session directory left in /tmp afterwards."""
+directory in use (exit 2 naming the holder's pid), a fresh start on top of an old run (exit 2), Ctrl-C
+or SIGTERM repeated while the run shuts down (the shutdown finishes, exit 130 / 143), a driver killed
+with SIGKILL (its watchdog stops the rest), and no Ray process or session directory left afterwards."""
 
 import os
 import re
