@@ -32,14 +32,14 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from ballast.models.weights_check import ModelFilesError, check_model_files
-from ballast.trainer import signals
+from ballast.trainer.run import signals
 from ballast.trainer.config import BallastConfig, ConfigError, ModelInfo, to_typed, uses_critic
 from ballast.trainer.config.gpu_memory import check_rollout_gpu_memory_at_start
 
 if TYPE_CHECKING:  # they load torch; the command line imports them once it runs
-    from ballast.trainer.data_setup import RunData
-    from ballast.trainer.reward import RewardManager
-    from ballast.trainer.run_plan import RunPlan
+    from ballast.trainer.run.data import RunData
+    from ballast.trainer.step.reward import RewardManager
+    from ballast.trainer.run.run_plan import RunPlan
 
 EXIT_BAD_INPUT = 2
 EXIT_WORKER_FAILED = 3
@@ -93,9 +93,9 @@ def prepare(raw: DictConfig) -> PreparedRun:
 def prepare_typed(cfg: BallastConfig) -> PreparedRun:
     """Model files, then the data (it decides the step count the plan needs), then the plan, the
     rollout backend and the reward function; all before Ray starts."""
-    from ballast.trainer.builders import overlong_buffer
-    from ballast.trainer.reward import RewardManager
-    from ballast.trainer.run_plan import plan_run
+    from ballast.trainer.run.builders import overlong_buffer
+    from ballast.trainer.step.reward import RewardManager
+    from ballast.trainer.run.run_plan import plan_run
 
     cfg = absolute_paths(cfg)
     model = ModelInfo.from_dir(cfg.actor_rollout_ref.model.path)
@@ -117,7 +117,7 @@ def read_data(cfg: BallastConfig):
     import torch
 
     from ballast.models import load_tokenizer
-    from ballast.trainer.data_setup import RunData
+    from ballast.trainer.run.data import RunData
 
     random.seed(cfg.trainer.seed)
     np.random.seed(cfg.trainer.seed)
@@ -161,8 +161,8 @@ def training_session(prepared: PreparedRun, raw_config: Optional[dict] = None):
     from tqdm import tqdm
 
     from ballast.trainer.ray_trainer import RayPPOTrainer
-    from ballast.trainer.roles import create_workers
-    from ballast.trainer.tracking import Tracker
+    from ballast.trainer.run.workers import create_workers
+    from ballast.trainer.run.tracking import Tracker
 
     cfg, plan = prepared.cfg, prepared.plan
     ray_dir = start_ray(cfg)
@@ -222,7 +222,7 @@ def start_ray(cfg: BallastConfig) -> Optional[str]:
 
     import ray
 
-    from ballast.trainer.tracking import verbose_output
+    from ballast.trainer.run.tracking import verbose_output
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # Worker output goes to the run directory's log files unless BALLAST_VERBOSE asks for it here.
@@ -291,10 +291,10 @@ def probe_ray_address(address: str, timeout_s: float) -> None:
 def failure(err: BaseException) -> Tuple[int, str]:
     """The exit code and one-line reason for an error that ends a run."""
     from ballast.single_controller import PlacementError, WorkerError
-    from ballast.trainer.checkpointing import CheckpointError
+    from ballast.trainer.run.checkpoints import CheckpointError
     from ballast.trainer.ray_trainer import NonFiniteStepsError
-    from ballast.trainer.reward import RewardFunctionError
-    from ballast.trainer.run_dir import RunDirError
+    from ballast.trainer.step.reward import RewardFunctionError
+    from ballast.trainer.run.run_dir import RunDirError
 
     lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
     if isinstance(err, ConfigError):
@@ -336,7 +336,7 @@ def _is_remote_exception(err: BaseException) -> bool:
 def cli_run(raw: DictConfig, exiting: bool = False) -> int:
     """Validate and run one composed config; returns the process exit code (see the module docstring).
     `exiting`: the process exits right after (the command line): late signals are ignored."""
-    from ballast.trainer.preflight import claim_run_dir
+    from ballast.trainer.run.preflight import claim_run_dir
 
     lock = None
     signals.install(save_first=bool(OmegaConf.select(raw, "trainer.save_on_signal", default=False)))
@@ -373,7 +373,7 @@ def cli_run(raw: DictConfig, exiting: bool = False) -> int:
 
 def _user_cause(err: BaseException) -> Optional[BaseException]:
     """The exception a user's reward function raised, when that is what ended the run."""
-    from ballast.trainer.reward import RewardFunctionError
+    from ballast.trainer.step.reward import RewardFunctionError
 
     return err.__cause__ if isinstance(err, RewardFunctionError) else None
 

@@ -15,7 +15,7 @@ from ballast.trainer.main import (
     probe_ray_address,
 )
 from ballast.trainer.ray_trainer import NonFiniteStepsError
-from ballast.trainer.tracking import Tracker
+from ballast.trainer.run.tracking import Tracker
 
 
 def _closed_port():

@@ -3,7 +3,7 @@
 This is the only place where config keys meet engine/rollout/worker objects, so the mapping of each
 verl key to what it controls can be read in one file. The engine and rollout specs check their own
 fields; `build` reports a failed check as a `ConfigError` naming the config key that fed the field.
-`ballast.trainer.run_plan.plan_run` builds these specs once, before Ray starts, so their errors come
+`ballast.trainer.run.run_plan.plan_run` builds these specs once, before Ray starts, so their errors come
 before any worker exists, and the workers are constructed from those same objects.
 """
 
@@ -19,7 +19,7 @@ from ballast.trainer.algorithms.policy_loss import ActorLossConfig, CriticLossCo
 from ballast.trainer.config import BallastConfig, DerivedSizes, role_fsdp
 from ballast.trainer.config.keys import build
 from ballast.trainer.config.schema import OptimSection
-from ballast.trainer.reward import OverlongBuffer
+from ballast.trainer.step.reward import OverlongBuffer
 from ballast.workers.rollout import RolloutConfig, SamplingConfig
 from ballast.workers.spec import ActorRolloutRefSpec, CriticSpec, TrainLoopSpec
 

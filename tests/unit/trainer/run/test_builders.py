@@ -5,9 +5,9 @@ import dataclasses
 
 import pytest
 
-from ballast.trainer.builders import rollout_config
+from ballast.trainer.run.builders import rollout_config
 from ballast.trainer.config import ConfigError, ModelInfo, load_config
-from ballast.trainer.run_plan import plan_run
+from ballast.trainer.run.run_plan import plan_run
 from ballast.workers.rollout.vllm_backend import engine_kwargs
 
 TINY = ModelInfo(4, 2, 128, 2, 256, 512, 2048)

@@ -10,13 +10,13 @@ import sys
 
 import pytest
 
-from ballast.trainer.run_dir import (
+from ballast.trainer.run.run_dir import (
     LOCK_FILE, RunDirError, check_fresh_start, lock_run_dir, run_contents, starts_fresh_here,
 )
 
 _HOLDER = """
 import sys, time
-from ballast.trainer.run_dir import lock_run_dir
+from ballast.trainer.run.run_dir import lock_run_dir
 lock_run_dir(sys.argv[1])
 print("locked", flush=True)
 time.sleep(120)

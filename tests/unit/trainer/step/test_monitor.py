@@ -5,7 +5,7 @@ import re
 import numpy as np
 import pytest
 
-from ballast.trainer.monitor import (
+from ballast.trainer.step.monitor import (
     BalanceMonitor, DynamicBatchVisualizer, balancer_line, micro_batch_metrics, monitor_lines, should_report,
 )
 

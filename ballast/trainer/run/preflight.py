@@ -13,9 +13,9 @@ import os
 import sys
 from typing import Tuple
 
-from ballast.trainer.checkpointing import CheckpointError, CheckpointManager, choose_checkpoint, verify_checkpoint
+from ballast.trainer.run.checkpoints import CheckpointError, CheckpointManager, choose_checkpoint, verify_checkpoint
 from ballast.trainer.config import BallastConfig
-from ballast.trainer.run_dir import RunDirLock, check_fresh_start, lock_run_dir
+from ballast.trainer.run.run_dir import RunDirLock, check_fresh_start, lock_run_dir
 
 
 def claim_run_dir(cfg: BallastConfig) -> Tuple[BallastConfig, RunDirLock]:

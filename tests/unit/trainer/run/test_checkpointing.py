@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from ballast.trainer.checkpointing import CheckpointManager, rng_state, set_rng_state
+from ballast.trainer.run.checkpoints import CheckpointManager, rng_state, set_rng_state
 
 
 def _writer(content):

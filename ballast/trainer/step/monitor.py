@@ -198,7 +198,7 @@ class BalanceMonitor:
         if not view:
             return
         if step == 1 or step % self.CHART_EVERY == 0 or step == self.total_steps:
-            from ballast.trainer.charts import save_balance_chart
+            from ballast.trainer.step.charts import save_balance_chart
 
             path = os.path.join(self.tracker.run_dir, "charts", f"balance_step_{step}.png")
             chart = save_balance_chart(path, view["raw"], view["balanced"], step)

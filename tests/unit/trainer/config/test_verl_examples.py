@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from ballast.trainer.builders import actor_loss_config
+from ballast.trainer.run.builders import actor_loss_config
 from ballast.trainer.config import ModelInfo, load_config
-from ballast.trainer.run_plan import plan_run
+from ballast.trainer.run.run_plan import plan_run
 
 MODEL = ModelInfo(num_attention_heads=28, num_key_value_heads=4, hidden_size=3584, num_hidden_layers=28,
                   intermediate_size=18944, vocab_size=152064, max_position_embeddings=32768)
@@ -96,7 +96,7 @@ def test_verl_example_command_lines_validate_unchanged(name, line):
 
 def test_the_dapo_example_script_is_verls_dapo_command_line():
     """examples/run_dapo_gsm8k.sh runs the DAPO line above with only the model and data paths changed."""
-    script = (Path(__file__).resolve().parents[3] / "examples" / "run_dapo_gsm8k.sh").read_text()
+    script = (Path(__file__).resolve().parents[4] / "examples" / "run_dapo_gsm8k.sh").read_text()
     command = script[script.index("python -m ballast.trainer.main"):].replace("\\\n", " ")
     args = [arg.replace("$MODEL", "/models/Qwen2.5-7B").replace("$DATA", "/data/gsm8k")
             for arg in shlex.split(command)[3:] if arg != "$@"]

@@ -9,10 +9,10 @@ from typing import Dict, Optional
 
 from ballast.balance import PlanObjective
 from ballast.single_controller import RayWorkerGroup, ResourcePool
-from ballast.trainer.builders import WorkerSpecs
+from ballast.trainer.run.builders import WorkerSpecs
 from ballast.trainer.config import BallastConfig, DerivedSizes
-from ballast.trainer.step_plans import phase_objectives
-from ballast.trainer.tracking import worker_log_dir
+from ballast.trainer.step.plans import phase_objectives
+from ballast.trainer.run.tracking import worker_log_dir
 from ballast.workers.actor_rollout_ref import ActorRolloutRefWorker
 from ballast.workers.critic import CriticWorker
 

@@ -18,7 +18,7 @@ from ballast.engine.optim import lr_factor
 from ballast.protocol import Batch
 from ballast.trainer.algorithms import get_adv_estimator, kl_penalty, make_kl_controller
 from ballast.trainer.algorithms.policy_loss import POLICY_LOSSES, ActorLossConfig, CriticLossConfig, critic_loss
-from ballast.trainer.metrics import data_metrics
+from ballast.trainer.step.metrics import data_metrics
 
 # Without verl the whole module is skipped here, at collection (a skip, not a collection error).
 V = pytest.importorskip("verl.trainer.ppo.core_algos", reason="verl 0.9.1 is not installed (bash scripts/setup.sh "
@@ -166,7 +166,7 @@ def test_geo_mean_is_the_exact_mini_batch_mean_and_verls_micro_batched_sum_scale
 def test_entropy_metric_is_verls_loss_agg_mode_aggregate(agg, scale):
     """`actor/entropy` as verl's trainer computes it from the old-log-prob pass: agg_loss over the
     whole batch with the actor's loss_agg_mode and loss_scale_factor (not a token mean)."""
-    from ballast.trainer.old_log_probs import old_log_prob_metrics
+    from ballast.trainer.step.old_log_probs import old_log_prob_metrics
 
     tensors = _metric_batch(12, use_critic=False)  # holds a row without any response token
     entropy = torch.rand(B, R, generator=torch.Generator().manual_seed(13)) * 3
@@ -304,7 +304,7 @@ def test_clip_cov_and_kl_cov_are_not_offered():
 def test_rollout_probability_metrics_match_verl():
     from verl.utils.debug.metrics import calculate_debug_metrics
 
-    from ballast.trainer.metrics import rollout_probs_diff_metrics
+    from ballast.trainer.step.metrics import rollout_probs_diff_metrics
 
     tensors = _metric_batch(7, use_critic=False)
     gen = torch.Generator().manual_seed(8)
@@ -320,7 +320,7 @@ def test_rollout_probability_metrics_match_verl():
 def test_validation_metrics_at_n_match_verl():
     from verl.trainer.ppo.metric_utils import process_validation_metrics
 
-    from ballast.trainer.val_metrics import validation_metrics
+    from ballast.trainer.step.val_metrics import validation_metrics
 
     rng = np.random.default_rng(9)
     n, prompts = 5, 4

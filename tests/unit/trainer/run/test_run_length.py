@@ -10,7 +10,7 @@ from ballast.data.gsm8k import gsm8k_rows
 from ballast.data.io import write_parquet
 from ballast.models import load_tokenizer, tiny_model_dir
 from ballast.trainer.config import load_config
-from ballast.trainer.data_setup import DataExhausted, RunData
+from ballast.trainer.run.data import DataExhausted, RunData
 from ballast.trainer.ray_trainer import RayPPOTrainer
 
 

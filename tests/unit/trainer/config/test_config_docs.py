@@ -17,7 +17,7 @@ import yaml
 from ballast.trainer.config import BallastConfig
 from ballast.trainer.config.loader import CONFIG_DIR
 
-PKG = Path(__file__).resolve().parents[3] / "ballast"
+PKG = Path(__file__).resolve().parents[4] / "ballast"
 SCHEMA_DIR = PKG / "trainer" / "config" / "schema"
 UNREAD_OK = "Accepted for verl compatibility"
 

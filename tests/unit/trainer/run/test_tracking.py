@@ -3,7 +3,7 @@
 import json
 import os
 
-from ballast.trainer.tracking import (
+from ballast.trainer.run.tracking import (
     Tracker, format_console, format_validation, progress_postfix, redact, verbose_output, worker_log_dir,
 )
 

@@ -8,7 +8,7 @@ import pytest
 from ballast.trainer.config import (
     BallastConfig, ConfigError, ModelInfo, compose, derive_sizes, load_config,
 )
-from ballast.trainer.run_plan import plan_run
+from ballast.trainer.run.run_plan import plan_run
 
 REQUIRED = ["data.train_files=/data/train.parquet", "actor_rollout_ref.model.path=/models/tiny"]
 # A small valid layout: 4 workers, 8 prompts x 4 samples, static micro-batches.

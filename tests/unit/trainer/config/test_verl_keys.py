@@ -3,9 +3,9 @@ start-up with an error naming the key."""
 
 import pytest
 
-from ballast.trainer.builders import actor_loss_config, engine_optim
+from ballast.trainer.run.builders import actor_loss_config, engine_optim
 from ballast.trainer.config import ConfigError, ModelInfo, load_config
-from ballast.trainer.run_plan import plan_run
+from ballast.trainer.run.run_plan import plan_run
 
 TINY = ModelInfo(4, 2, 128, 2, 256, 512, 2048)
 BASE = ["data.train_files=/d.parquet", "actor_rollout_ref.model.path=/m", "trainer.n_gpus_per_node=2",

@@ -16,10 +16,10 @@ from typing import Optional
 
 from ballast.trainer.algorithms import registered_names
 from ballast.trainer.algorithms.kl import make_kl_controller
-from ballast.trainer.builders import WorkerSpecs, worker_specs
+from ballast.trainer.run.builders import WorkerSpecs, worker_specs
 from ballast.trainer.config import BallastConfig, ConfigError, DerivedSizes, ModelInfo, check_rules, derive_sizes
 from ballast.trainer.config.validate import one_of
-from ballast.trainer.tracking import LOGGERS
+from ballast.trainer.run.tracking import LOGGERS
 
 
 @dataclass(frozen=True)

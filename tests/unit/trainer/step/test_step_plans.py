@@ -7,7 +7,7 @@ import torch
 
 from ballast.protocol import Batch
 from ballast.trainer.config import derive_sizes, load_config
-from ballast.trainer.step_plans import StepPlanner, epoch_partitions, row_lengths
+from ballast.trainer.step.plans import StepPlanner, epoch_partitions, row_lengths
 
 BASE = ["data.train_files=/data/train.parquet", "actor_rollout_ref.model.path=/models/tiny",
         "trainer.n_gpus_per_node=2", "data.train_batch_size=8", "actor_rollout_ref.rollout.n=4",
@@ -76,7 +76,7 @@ def test_rows_after_the_first_mini_batch_are_planned_where_they_are():
 def test_each_phase_plans_for_how_its_engine_synchronises():
     from ballast.balance import PlanObjective
     from ballast.engine import EngineConfig
-    from ballast.trainer.step_plans import phase_objectives
+    from ballast.trainer.step.plans import phase_objectives
 
     replicas = EngineConfig(model_path="/m", fsdp_size=1)  # whole replicas: DDP, one all-reduce per mini-batch
     sharded = EngineConfig(model_path="/m")  # FSDP2 re-gathers the parameters every micro-batch

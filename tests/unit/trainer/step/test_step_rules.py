@@ -89,7 +89,7 @@ def test_logged_reward_kl_coefficient_is_the_one_applied():
 
 def test_timing_throughput_and_rollout_probability_metrics_use_verl_names_and_units():
     from ballast.protocol import Batch
-    from ballast.trainer.metrics import rollout_probs_diff_metrics, throughput_metrics, timing_metrics
+    from ballast.trainer.step.metrics import rollout_probs_diff_metrics, throughput_metrics, timing_metrics
 
     attention = torch.tensor([[0, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
     response_mask = attention[:, 2:].clone()

@@ -12,10 +12,10 @@ from collections import namedtuple
 
 import pytest
 
-from ballast.trainer import checkpointing
-from ballast.trainer.checkpointing import CHECKSUMS, CheckpointError, CheckpointManager, choose_checkpoint
+from ballast.trainer.run import checkpoints as checkpointing
+from ballast.trainer.run.checkpoints import CHECKSUMS, CheckpointError, CheckpointManager, choose_checkpoint
 from ballast.trainer.main import EXIT_BAD_INPUT, failure
-from ballast.trainer.preflight import resolve_resume
+from ballast.trainer.run.preflight import resolve_resume
 
 
 def _writer(content):

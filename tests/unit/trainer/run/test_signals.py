@@ -8,9 +8,7 @@ import signal
 
 import pytest
 
-from ballast.trainer import signals
-
-
+from ballast.trainer.run import signals
 @pytest.fixture(autouse=True)
 def _restore():
     yield

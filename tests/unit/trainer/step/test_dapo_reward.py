@@ -9,10 +9,10 @@ import torch
 
 from ballast.protocol import Batch
 from ballast.trainer.config import ConfigError, ModelInfo, load_config
-from ballast.trainer.dynamic_sampling import filter_metric_values, informative_groups
-from ballast.trainer.reward import OverlongBuffer, RewardManager
-from ballast.trainer.run_plan import plan_run
-from ballast.trainer.val_metrics import validation_metrics
+from ballast.trainer.step.dynamic_sampling import filter_metric_values, informative_groups
+from ballast.trainer.step.reward import OverlongBuffer, RewardManager
+from ballast.trainer.run.run_plan import plan_run
+from ballast.trainer.step.val_metrics import validation_metrics
 
 MODEL = ModelInfo(num_attention_heads=4, num_key_value_heads=2, hidden_size=128, num_hidden_layers=2,
                   intermediate_size=256, vocab_size=300, max_position_embeddings=2048)

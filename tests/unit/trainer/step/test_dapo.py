@@ -9,10 +9,10 @@ import torch
 from ballast.protocol import Batch, Output
 from ballast.workers.rollout.postprocess import build_rollout_output, prompt_token_lists
 from ballast.trainer.config import load_config
-from ballast.trainer.data_setup import DataExhausted
-from ballast.trainer.dynamic_sampling import filter_metric_values, informative_groups
+from ballast.trainer.run.data import DataExhausted
+from ballast.trainer.step.dynamic_sampling import filter_metric_values, informative_groups
 from ballast.trainer.ray_trainer import DynamicSamplingError, RayPPOTrainer
-from ballast.trainer.reward import OverlongBuffer, RewardManager
+from ballast.trainer.step.reward import OverlongBuffer, RewardManager
 
 from testkit.prompts import left_padded_prompts
 

@@ -128,9 +128,9 @@ def test_gpu_smoke_grpo_overrides_form_a_valid_config_that_fits_an_h200():
     import shlex
     from pathlib import Path
 
-    from ballast.trainer.run_plan import plan_run
+    from ballast.trainer.run.run_plan import plan_run
 
-    script = (Path(__file__).resolve().parents[3] / "scripts" / "gpu_smoke.sh").read_text()
+    script = (Path(__file__).resolve().parents[4] / "scripts" / "gpu_smoke.sh").read_text()
     block = script[script.index("-m ballast.trainer.main"):script.index('} >"$OUT/grpo.log"')]
     values = {"OUT": "/smoke", "RUN": "/smoke/grpo", "WORKERS": "2", "KV_BYTES": str(64 << 20), "GRPO_S": "300"}
     block = re.sub(r"\$(\w+)", lambda m: values[m.group(1)], block.replace("\\\n", " "))

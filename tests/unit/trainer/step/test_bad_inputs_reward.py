@@ -13,7 +13,7 @@ import torch
 
 from ballast.protocol import Batch
 from ballast.trainer.main import EXIT_BAD_INPUT, failure
-from ballast.trainer.reward import RewardFunctionError, RewardManager
+from ballast.trainer.step.reward import RewardFunctionError, RewardManager
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def _indexed_batch():
 def test_reward_error_names_the_step_and_dataset_row_and_keeps_the_users_traceback(tokenizer, capsys, monkeypatch):
     from omegaconf import OmegaConf
 
-    import ballast.trainer.preflight as preflight
+    import ballast.trainer.run.preflight as preflight
     from ballast.trainer import main
 
     def broken(data_source, solution_str, ground_truth, extra_info=None):

@@ -20,7 +20,7 @@ def task(tmp_path_factory):
 
 
 def test_prepare_reads_the_data_then_builds_every_spec_once(task, tmp_path, monkeypatch):
-    from ballast.trainer import run_plan
+    from ballast.trainer.run import run_plan
     from ballast.trainer.main import prepare_typed
 
     built = []
@@ -53,7 +53,7 @@ def test_schema_choices_hold_exactly_their_owners_values():
     from ballast.data import TRUNCATION_MODES
     from ballast.engine.losses import LOSS_AGG_MODES
     from ballast.trainer.algorithms.kl import KL_CONTROLLERS
-    from ballast.trainer.reward import REWARD_MANAGERS
+    from ballast.trainer.step.reward import REWARD_MANAGERS
 
     assert values(LossAggMode) == tuple(LOSS_AGG_MODES)
     assert values(Truncation) == tuple(TRUNCATION_MODES)
