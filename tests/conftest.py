@@ -42,7 +42,7 @@ def ray_session():
     session directory and every process of it are gone after the session, like a run's own Ray."""
     import ray
 
-    from ballast.trainer.ray_session import RaySession, ray_temp_root
+    from ballast.trainer.run.ray_session import RaySession, ray_temp_root
 
     if ray.is_initialized():  # a test module that manages its own cluster shut it down or kept it
         ray.shutdown()

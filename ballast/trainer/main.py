@@ -13,7 +13,7 @@ a run directory that is unusable, in use or holding another run, a damaged check
 steps in a row, dynamic sampling that cannot fill a batch), 5 the Ray cluster did not answer or could
 not place the workers, or a local Ray did not start, 130 Ctrl-C, 143 SIGTERM, 1 anything else (with
 its traceback). Once a run is stopping, further signals cannot cut its cleanup short (see
-`ballast.trainer.signals`); docs/reliability.md lists what each case looks like.
+`ballast.trainer.run.signals`); docs/reliability.md lists what each case looks like.
 """
 
 from __future__ import annotations
@@ -32,16 +32,16 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from ballast.models.weights_check import ModelFilesError, check_model_files
-from ballast.trainer import signals
+from ballast.trainer.run import signals
 from ballast.trainer.config import BallastConfig, ConfigError, ModelInfo, to_typed, uses_critic
 from ballast.trainer.config.gpu_memory import check_rollout_gpu_memory_at_start
-from ballast.trainer.ray_session import RaySession, RayUnavailableError, probe_ray_address, start_ray  # noqa: F401
+from ballast.trainer.run.ray_session import RaySession, RayUnavailableError, probe_ray_address, start_ray  # noqa: F401
 
 if TYPE_CHECKING:  # they load torch; the command line imports them once it runs
-    from ballast.trainer.checkpointing import ResumePoint
-    from ballast.trainer.data_setup import RunData
-    from ballast.trainer.reward import RewardManager
-    from ballast.trainer.run_plan import RunPlan
+    from ballast.trainer.run.checkpoints import ResumePoint
+    from ballast.trainer.run.data import RunData
+    from ballast.trainer.step.reward import RewardManager
+    from ballast.trainer.run.run_plan import RunPlan
 
 EXIT_BAD_INPUT = 2
 EXIT_WORKER_FAILED = 3
@@ -91,9 +91,9 @@ def prepare(raw: DictConfig) -> PreparedRun:
 def prepare_typed(cfg: BallastConfig) -> PreparedRun:
     """Model files, then the data (it decides the step count the plan needs), then the plan, the
     rollout backend and the reward function; all before Ray starts."""
-    from ballast.trainer.builders import overlong_buffer
-    from ballast.trainer.reward import RewardManager
-    from ballast.trainer.run_plan import plan_run
+    from ballast.trainer.run.builders import overlong_buffer
+    from ballast.trainer.step.reward import RewardManager
+    from ballast.trainer.run.run_plan import plan_run
 
     cfg = absolute_paths(cfg)
     model = ModelInfo.from_dir(cfg.actor_rollout_ref.model.path)
@@ -115,7 +115,7 @@ def read_data(cfg: BallastConfig):
     import torch
 
     from ballast.models import load_tokenizer
-    from ballast.trainer.data_setup import RunData
+    from ballast.trainer.run.data import RunData
 
     random.seed(cfg.trainer.seed)
     np.random.seed(cfg.trainer.seed)
@@ -160,10 +160,10 @@ def training_session(prepared: PreparedRun, raw_config: Optional[dict] = None,
     line), and cleans up after (`shutdown`), however the block ends."""
     from tqdm import tqdm
 
-    from ballast.trainer.preflight import resume_point
+    from ballast.trainer.run.preflight import resume_point
     from ballast.trainer.ray_trainer import RayPPOTrainer
-    from ballast.trainer.roles import create_workers
-    from ballast.trainer.tracking import Tracker
+    from ballast.trainer.run.workers import create_workers
+    from ballast.trainer.run.tracking import Tracker
 
     cfg, plan = prepared.cfg, prepared.plan
     ray_session = tracker = workers = ended_by = None
@@ -231,10 +231,10 @@ def record_workers(workers, run_dir: str) -> list:
 def failure(err: BaseException) -> Tuple[int, str]:
     """The exit code and one-line reason for an error that ends a run."""
     from ballast.single_controller import PlacementError, WorkerError
-    from ballast.trainer.checkpointing import CheckpointError
+    from ballast.trainer.run.checkpoints import CheckpointError
     from ballast.trainer.ray_trainer import DynamicSamplingError, NonFiniteStepsError
-    from ballast.trainer.reward import RewardFunctionError
-    from ballast.trainer.run_dir import RunDirError
+    from ballast.trainer.step.reward import RewardFunctionError
+    from ballast.trainer.run.run_dir import RunDirError
 
     lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
     if isinstance(err, ConfigError):
@@ -288,7 +288,7 @@ def cli_run(raw: DictConfig, exiting: bool = False) -> int:
     """Validate and run one composed config; returns the process exit code (see the module docstring).
     `exiting`: the process exits right after (the command line): late signals are ignored, and a
     shutdown stuck past its deadline ends the process."""
-    from ballast.trainer.preflight import claim_run_dir
+    from ballast.trainer.run.preflight import claim_run_dir
 
     lock = None
     signals.install(save_first=bool(OmegaConf.select(raw, "trainer.save_on_signal", default=False)), exiting=exiting)
@@ -326,7 +326,7 @@ def _print_details(err: BaseException, code: int) -> None:
 
 def _user_cause(err: BaseException) -> Optional[BaseException]:
     """The exception a user's reward function raised, when that is what ended the run."""
-    from ballast.trainer.reward import RewardFunctionError
+    from ballast.trainer.step.reward import RewardFunctionError
 
     return err.__cause__ if isinstance(err, RewardFunctionError) else None
 

@@ -39,26 +39,24 @@ from ballast.balance import FlopsModel, PhasePlan, balance_metrics, workload_cos
 from ballast.protocol import Batch
 from ballast.trainer.algorithms import get_adv_estimator, kl_penalty, make_kl_controller, masked_mean
 from ballast.trainer.algorithms.policy_loss import actor_constant_metrics
-from ballast.trainer.builders import actor_loss_config
-from ballast.trainer.charts import per_rank_tokens
-from ballast.trainer.checkpointing import CheckpointManager, ResumePoint, rng_state, set_rng_state
+from ballast.trainer.run.builders import actor_loss_config
+from ballast.trainer.step.charts import per_rank_tokens
+from ballast.trainer.run.checkpoints import CheckpointManager, ResumePoint, rng_state, set_rng_state
 from ballast.trainer.config import BallastConfig, DerivedSizes
-from ballast.trainer.data_setup import DataExhausted, RunData
-from ballast.trainer.dynamic_sampling import DynamicSamplingError, GroupCollector  # noqa: F401 (re-exported)
-from ballast.trainer.metrics import data_metrics, rollout_probs_diff_metrics, throughput_metrics, timing_metrics
-from ballast.trainer.monitor import BalanceMonitor, micro_batch_metrics, rank_load_metrics
-from ballast.trainer.old_log_probs import OldLogProbPhase, old_log_prob_metrics
-from ballast.trainer.step_plans import StepPlanner, epoch_partitions, plan_metrics, row_lengths
+from ballast.trainer.run.data import DataExhausted, RunData
+from ballast.trainer.step.dynamic_sampling import DynamicSamplingError, GroupCollector  # noqa: F401 (re-exported)
+from ballast.trainer.step.metrics import data_metrics, rollout_probs_diff_metrics, throughput_metrics, timing_metrics
+from ballast.trainer.step.monitor import BalanceMonitor, micro_batch_metrics, rank_load_metrics
+from ballast.trainer.step.old_log_probs import OldLogProbPhase, old_log_prob_metrics
+from ballast.trainer.step.plans import StepPlanner, epoch_partitions, plan_metrics, row_lengths
 from ballast.workers.actor_rollout_ref import UPDATE_WEIGHTS_METRIC
 from ballast.workers.rollout.base import validation_call_index
 from ballast.workers.on_policy import OldLogProbMode
-from ballast.trainer.reward import RewardManager
-from ballast.trainer.roles import Workers
-from ballast.trainer.tracking import Tracker, format_validation, progress_postfix
-from ballast.trainer.val_metrics import validation_metrics
-from ballast.trainer import signals
-
-
+from ballast.trainer.step.reward import RewardManager
+from ballast.trainer.run.workers import Workers
+from ballast.trainer.run.tracking import Tracker, format_validation, progress_postfix
+from ballast.trainer.step.val_metrics import validation_metrics
+from ballast.trainer.run import signals
 # Rollout call indices (sampling seeds) of the extra generation batches of dynamic sampling.
 EXTRA_GENERATION_CALL_STRIDE = 1 << 24
 
@@ -332,7 +330,7 @@ class RayPPOTrainer:
         return self.ckpt.save(self.global_step, save_workers, state)
 
     def resume(self, point: ResumePoint) -> Optional[str]:
-        """Load `point` (resolved and verified before Ray started, see `ballast.trainer.preflight`): the
+        """Load `point` (resolved and verified before Ray started, see `ballast.trainer.run.preflight`): the
         workers' state and the driver's. Returns the checkpoint loaded, None for a fresh start."""
         if point.fresh:
             return None

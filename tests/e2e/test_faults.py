@@ -17,7 +17,7 @@ import torch
 from ballast.single_controller import Dispatch, Worker, register
 from ballast.trainer.config import derive_sizes, load_config
 from ballast.trainer.main import EXIT_WORKER_FAILED
-from ballast.trainer.preflight import resume_point
+from ballast.trainer.run.preflight import resume_point
 from ballast.balance import MicroBatchMode, MicroBatchPolicy, plan_phase
 from ballast.protocol import Batch
 from ballast.trainer.ray_trainer import NonFiniteStepsError, RayPPOTrainer

@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ballast.trainer import ray_watchdog
-
+from ballast.trainer.run import ray_watchdog
 from testkit.e2e import killed_on_exit, last_line, logged_steps, start_trainer, wait_for
 
 

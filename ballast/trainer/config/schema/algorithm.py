@@ -8,7 +8,7 @@ from typing import Optional
 
 from ballast.trainer.config.schema.choice import choice
 
-# verl's reward managers Ballast has (`ballast.trainer.reward.REWARD_MANAGERS`; a test keeps the two equal).
+# verl's reward managers Ballast has (`ballast.trainer.step.reward.REWARD_MANAGERS`; a test keeps the two equal).
 RewardManagerName = choice("RewardManagerName", __name__, "naive", "dapo")
 # The in-reward KL coefficient's controllers (`ballast.trainer.algorithms.kl`; a test keeps the two equal).
 KLControlType = choice("KLControlType", __name__, "fixed", "adaptive")
