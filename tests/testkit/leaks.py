@@ -93,11 +93,24 @@ def pytest_sessionstart(session):
     os.environ["RAY_TMPDIR"] = _session["ray_root"]
 
 
+def _own_helpers() -> set:
+    """Pids of the helper processes the standard library keeps for the pytest process itself (the
+    multiprocessing resource tracker and forkserver, started on first use): they end with pytest,
+    so they are not something a test left behind."""
+    import multiprocessing.forkserver as forkserver
+    import multiprocessing.resource_tracker as resource_tracker
+
+    pids = {getattr(resource_tracker._resource_tracker, "_pid", None),
+            getattr(forkserver._forkserver, "_forkserver_pid", None)}
+    return {pid for pid in pids if pid}
+
+
 def find_leftovers():
     """(descriptions of live descendant processes, leftover entries of the session's Ray directory),
     after waiting up to GRACE_S for processes to end."""
     deadline = time.monotonic() + GRACE_S
-    while (pids := live_descendants(os.getpid())) and time.monotonic() < deadline:
+    own = _own_helpers()
+    while (pids := [p for p in live_descendants(os.getpid()) if p not in own]) and time.monotonic() < deadline:
         time.sleep(0.2)
     processes = [_describe(pid) for pid in pids]
     root = _session.get("ray_root")

@@ -26,9 +26,14 @@ _LEAKY = textwrap.dedent('''
 
 _CLEAN = textwrap.dedent('''
     import os, subprocess, sys
+    from multiprocessing import shared_memory
 
     def test_cleans_up_after_itself():
         subprocess.run([sys.executable, "-c", "pass"], check=True)
+        # starts the standard library's resource tracker, a helper of pytest's own that ends with it
+        shm = shared_memory.SharedMemory(create=True, size=16)
+        shm.close()
+        shm.unlink()
         path = os.path.join(os.environ["RAY_TMPDIR"], "ray_done")
         os.makedirs(path)
         os.rmdir(path)
