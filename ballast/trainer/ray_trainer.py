@@ -18,7 +18,7 @@ What this driver leaves out of verl's `RayPPOTrainer.fit`, and why:
 3. Rule rewards on the driver. No reward-model worker and no ReMax baseline generation: each is a
    branch of verl's loop that Ballast's batch-path guarantees would have to be re-proven for.
 4. Old log-probs come from the actor, unless rollout correction's bypass mode takes the rollout
-   engine's (`ballast.trainer.rollout_correction_phase`). The rollout's own log-probs, when
+   engine's (`ballast.trainer.step.rollout_correction`). The rollout's own log-probs, when
    requested, feed the mismatch metrics (`rollout_corr/*`, `training/rollout_actor_log_prob_diff`)
    and the correction.
 5. No profiler hooks, rollout dumps or preemption handling in the loop: checkpoints at `save_freq`
@@ -40,25 +40,25 @@ from ballast.balance import FlopsModel, PhasePlan, balance_metrics, workload_cos
 from ballast.protocol import Batch
 from ballast.trainer.algorithms import get_adv_estimator, kl_penalty, make_kl_controller, masked_mean
 from ballast.trainer.algorithms.policy_loss import actor_constant_metrics
-from ballast.trainer.builders import actor_loss_config
-from ballast.trainer.charts import per_rank_tokens
-from ballast.trainer.checkpointing import CheckpointManager, rng_state, set_rng_state
+from ballast.trainer.run.builders import actor_loss_config
+from ballast.trainer.step.charts import per_rank_tokens
+from ballast.trainer.run.checkpoints import CheckpointManager, ResumePoint, rng_state, set_rng_state
 from ballast.trainer.config import BallastConfig, DerivedSizes
-from ballast.trainer.data_setup import DataExhausted, RunData
-from ballast.trainer.dynamic_sampling import DynamicSamplingError, GroupCollector  # noqa: F401 (re-exported)
-from ballast.trainer.metrics import data_metrics, rollout_probs_diff_metrics, throughput_metrics, timing_metrics
-from ballast.trainer.monitor import BalanceMonitor, micro_batch_metrics, rank_load_metrics
-from ballast.trainer.old_log_probs import OldLogProbPhase, old_log_prob_metrics
-from ballast.trainer.step_plans import StepPlanner, epoch_partitions, plan_metrics, row_lengths
+from ballast.trainer.run.data import DataExhausted, RunData
+from ballast.trainer.step.dynamic_sampling import DynamicSamplingError, GroupCollector  # noqa: F401 (re-exported)
+from ballast.trainer.step.metrics import data_metrics, rollout_probs_diff_metrics, throughput_metrics, timing_metrics
+from ballast.trainer.step.monitor import BalanceMonitor, micro_batch_metrics, rank_load_metrics
+from ballast.trainer.step.old_log_probs import OldLogProbPhase, old_log_prob_metrics
+from ballast.trainer.step.plans import StepPlanner, epoch_partitions, plan_metrics, row_lengths
 from ballast.workers.actor_rollout_ref import UPDATE_WEIGHTS_METRIC
 from ballast.workers.rollout.base import validation_call_index
 from ballast.workers.on_policy import OldLogProbMode
-from ballast.trainer.reward import RewardManager
-from ballast.trainer.rollout_correction_phase import RolloutCorrectionPhase, rollout_correction_settings
-from ballast.trainer.roles import Workers
-from ballast.trainer.tracking import Tracker, format_validation, progress_postfix
-from ballast.trainer.val_metrics import validation_metrics
-from ballast.trainer import signals
+from ballast.trainer.step.reward import RewardManager
+from ballast.trainer.run.workers import Workers
+from ballast.trainer.run.tracking import Tracker, format_validation, progress_postfix
+from ballast.trainer.step.val_metrics import validation_metrics
+from ballast.trainer.run import signals
+from ballast.trainer.step.rollout_correction import RolloutCorrectionPhase, rollout_correction_settings
 
 
 # Rollout call indices (sampling seeds) of the extra generation batches of dynamic sampling.
@@ -89,12 +89,11 @@ class RayPPOTrainer:
         self._weight_sync_s = 0.0
         self.monitor = BalanceMonitor(tracker, self.total_steps, cfg.trainer.enable_monitor,
                                       cfg.trainer.monitor_interval, sizes.actor.token_budget(sizes.actor.train))
-        self._resumed_from: Optional[str] = None
-        self._resume_checked = False
+        self.resumed_from: Optional[str] = None  # the checkpoint `resume` loaded
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> Dict[str, float]:
-        self.resume()
+        """Train from `global_step` (0, or where `resume` left it) to the last step."""
         self.tracker.rewind(self.global_step)
         t = self.cfg.trainer
         last: Dict[str, float] = {}
@@ -182,7 +181,7 @@ class RayPPOTrainer:
             with _timer(timing, "rollout_corr"):
                 metrics.update(self.correction.after_update(batch, actor_plan, results))
         actor_key = "train_log_probs" if self.correction.bypass else "old_log_probs"
-        metrics.update(old_log_prob_metrics(batch, actor_key))
+        metrics.update(old_log_prob_metrics(batch, self.actor_loss_cfg, actor_key))
         metrics.update(data_metrics(batch, self.cfg.data.max_response_length, self.sizes.use_critic))
         self.monitor.report(step)
         metrics.update(timing_metrics(batch, timing))
@@ -343,34 +342,24 @@ class RayPPOTrainer:
                  "nonfinite_in_a_row": self._nonfinite_in_a_row}
         return self.ckpt.save(self.global_step, save_workers, state)
 
-    def resume(self) -> Optional[str]:
-        """Load the checkpoint `trainer.resume_mode` points at (once); returns its path or None."""
-        if self._resume_checked:
-            return self._resumed_from
-        self._resume_checked = True
-        t = self.cfg.trainer
-        if t.resume_mode == "disable":
+    def resume(self, point: ResumePoint) -> Optional[str]:
+        """Load `point` (resolved and verified before Ray started, see `ballast.trainer.run.preflight`): the
+        workers' state and the driver's. Returns the checkpoint loaded, None for a fresh start."""
+        if point.fresh:
             return None
-        if t.resume_mode == "auto":
-            path = self.ckpt.latest()
-        elif t.resume_mode == "resume_path":
-            path = t.resume_from_path
-        else:
-            path = t.resume_mode
-        if path is None:
-            return None
-        state = CheckpointManager.read_state(path)
-        self.workers.actor_rollout.load_checkpoint(path)
+        state = CheckpointManager.read_state(point.checkpoint)
+        assert int(state["global_step"]) == point.step, (point, state["global_step"])  # resolved from this file
+        self.workers.actor_rollout.load_checkpoint(point.checkpoint)
         if self.workers.critic is not None:
-            self.workers.critic.load_checkpoint(path)
-        self.global_step = int(state["global_step"])
+            self.workers.critic.load_checkpoint(point.checkpoint)
+        self.global_step = point.step
         self.data.load_state_dict(state["dataloader"])
         self.kl_ctrl.value = float(state["kl_coef"])
         self._nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
         set_rng_state(state["rng"])
-        print(f"ballast: resumed from {path} at step {self.global_step}")
-        self._resumed_from = path
-        return path
+        print(f"ballast: resumed from {point.checkpoint} at step {self.global_step}")
+        self.resumed_from = point.checkpoint
+        return point.checkpoint
 
 
 def _extra_means(extras: Dict[str, np.ndarray]) -> Dict[str, float]:

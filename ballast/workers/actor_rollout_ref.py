@@ -125,7 +125,7 @@ class ActorRolloutRefWorker(Worker):
         data = engine_input(batch)
         start = time.perf_counter()
         out = actor.infer_batch(data, plan.mini_batches[0], temperature=self.spec.temperature, calculate_entropy=True)
-        mfu = mfu_metrics("old_log_prob", actor, data, time.perf_counter() - start, self._peak_flops, passes=1)
+        mfu = mfu_metrics("actor_infer", actor, data, time.perf_counter() - start, self._peak_flops, passes=1)
         return Output(Batch({"old_log_probs": out["log_probs"].cpu(), "entropy": out["entropy"].cpu()}),
                       {k: [v] for k, v in mfu.items()})
 
@@ -179,7 +179,7 @@ class ActorRolloutRefWorker(Worker):
         rest = data[torch.as_tensor(rows)]
         out = actor.infer_batch(rest, rest_plan, temperature=self.spec.temperature, calculate_entropy=True)
         seconds = time.perf_counter() - start
-        metrics = mfu_metrics("old_log_prob", actor, rest, seconds, self._peak_flops, passes=1)
+        metrics = mfu_metrics("actor_infer", actor, rest, seconds, self._peak_flops, passes=1)
         metrics["timing_s/old_log_prob"] = seconds
         return (out["log_probs"].cpu(), out["entropy"].cpu()), metrics
 

@@ -6,7 +6,8 @@ its gradient the plain policy gradient, as with a separate pass, within float ro
 the later mini-batches need theirs before the first optimizer step changes the weights: the update
 computes them in a forward-only pass over exactly those rows first. So the step needs no separate
 old-log-prob phase on the driver: one dispatch less, and the first mini-batch's rows are not run
-twice. verl 0.9.1 always runs the separate pass; `actor.old_log_prob_from_update=False` does the same.
+twice. verl 0.9.1 always runs the separate pass (only its rollout-correction bypass mode skips it, taking
+the rollout's own log-probs instead); `actor.old_log_prob_from_update=False` runs it here too.
 
 Which rows are "first" is read off the actor's `PhasePlan` (its first mini-batch); the update returns
 the log-probs and entropies of all its rows in its typed result (`UpdateResult.old_log_probs`,

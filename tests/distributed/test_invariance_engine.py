@@ -238,7 +238,7 @@ def _corrected(data, lp, name, mode):
     """(mini-batch with the columns the loss reads, the actor loss) for one correction mode."""
     from ballast.trainer.algorithms.policy_loss import ActorLossConfig, make_actor_loss
     from ballast.trainer.algorithms.rollout_correction import correct, normaliser_terms, parse_rollout_correction
-    from ballast.trainer.rollout_correction_phase import loss_correction
+    from ballast.trainer.step.rollout_correction import loss_correction
 
     corr = parse_rollout_correction(**dict(CORRECTION_MODES)[name])
     data = data.clone()

@@ -82,7 +82,7 @@ def test_bypass_mode_makes_no_old_log_prob_pass(session, tmp_path):
         calls = _count_calls(trainer.workers.actor_rollout, "compute_log_prob")
         metrics = trainer.fit()
     assert calls == []
-    assert "timing_s/old_log_prob" not in metrics and "perf/mfu/old_log_prob" not in metrics
+    assert "timing_s/old_log_prob" not in metrics and "perf/mfu/actor_infer" not in metrics
     keys = ALWAYS + ["rollout_corr/rollout_is_mean", "rollout_corr/rollout_is_oob_ratio",
                      "rollout_corr/rollout_is_batch_norm_factor", "rollout_corr/rollout_rs_seq_max_k3_max",
                      "training/rollout_actor_log_prob_diff/mean", "actor/ppo_kl", "actor/pg_loss"]

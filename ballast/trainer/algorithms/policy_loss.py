@@ -23,7 +23,7 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-from ballast.engine.losses import agg_loss
+from ballast.engine.losses import GlobalNorm, agg_loss
 from ballast.trainer.algorithms.kl import kl_penalty
 from ballast.trainer.algorithms.rollout_correction import (RolloutCorrection, correct, is_weights, normalise,
                                                            normaliser, normaliser_sums)
@@ -235,7 +235,7 @@ def actor_loss(outputs: Dict[str, torch.Tensor], micro, norm, *, cfg: ActorLossC
     metrics["actor/pg_loss"] = pg_loss.detach()
     if "entropy" in outputs:
         entropy = agg_loss(outputs["entropy"], mask, cfg.loss_agg_mode, norm, cfg.loss_scale_factor)
-        metrics["actor/entropy"] = entropy.detach()
+        metrics["actor/entropy_loss"] = entropy.detach()  # verl's name; actor/entropy is the old-log-prob pass's
         if cfg.entropy_coeff:
             loss = loss - cfg.entropy_coeff * entropy
     if cfg.use_kl_loss:
@@ -254,6 +254,17 @@ def make_actor_loss(cfg: ActorLossConfig) -> Callable:
     if stat is not None:
         fn.mini_batch_statistic = stat
     return fn
+
+
+def entropy_metric(entropy: torch.Tensor, response_mask: torch.Tensor, loss_agg_mode: str,
+                   loss_scale_factor: Optional[float] = None) -> float:
+    """`actor/entropy`: the per-token entropy of a whole step's responses, aggregated as the actor loss
+    is (`loss_agg_mode`, `loss_scale_factor`), verl's definition. As verl computes it over the whole
+    batch, sequences without a response token are left out of the sequence count."""
+    mask = response_mask.to(entropy.dtype)
+    norm = GlobalNorm(num_tokens=int(mask.sum()), num_sequences=int((mask.sum(-1) > 0).sum()),
+                      response_len=int(mask.shape[-1]))
+    return float(agg_loss(entropy, mask, loss_agg_mode, norm, loss_scale_factor))
 
 
 def actor_constant_metrics(cfg: ActorLossConfig) -> Dict[str, float]:

@@ -13,7 +13,7 @@ Three families, each a pure function of (B, R) tensors:
   per-sequence summaries) and the share of tokens and sequences it rejects, then the share rejected
   by all options together (`rollout_rs_masked_fraction`, `rollout_rs_seq_masked_fraction`).
 
-The driver computes them over the whole step (see `ballast.trainer.rollout_correction_phase`), so
+The driver computes them over the whole step (see `ballast.trainer.step.rollout_correction`), so
 they are exact whatever the cut; the parity tests hold each value to verl's within 1e-6.
 """
 

@@ -17,7 +17,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ballast.trainer.config.overrides import ambiguous_overrides
-from ballast.trainer.config.schema import BallastConfig
+from ballast.trainer.config.schema import BallastConfig, Choice
+from ballast.trainer.config.schema.choice import values
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
@@ -119,4 +120,20 @@ def _describe(err: OmegaConfBaseException) -> str:
     text = str(err).splitlines()[0]
     if "Missing mandatory value" in text and key:
         return f"{key} must be set (it has no default), e.g. {key}=..."
+    kind = _field_type(key) if key else None
+    if isinstance(kind, type) and issubclass(kind, Choice):
+        return f"{key}={getattr(err, 'value', None)!r} is not one of {', '.join(map(repr, values(kind)))}"
     return f"{key}: {text}" if key else text
+
+
+def _field_type(key: str):
+    """The schema's type of the dotted `key` (Optional unwrapped), or None when the schema has no such key."""
+    kind = BallastConfig
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(kind):
+            return None
+        kind = typing.get_type_hints(kind).get(part)
+        args = [a for a in typing.get_args(kind) if a is not type(None)]
+        if typing.get_origin(kind) is typing.Union and len(args) == 1:
+            kind = args[0]
+    return kind

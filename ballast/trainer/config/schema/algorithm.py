@@ -6,6 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from ballast.trainer.config.schema.choice import choice
+
+# verl's reward managers Ballast has (`ballast.trainer.step.reward.REWARD_MANAGERS`; a test keeps the two equal).
+RewardManagerName = choice("RewardManagerName", __name__, "naive", "dapo")
+# The in-reward KL coefficient's controllers (`ballast.trainer.algorithms.kl`; a test keeps the two equal).
+KLControlType = choice("KLControlType", __name__, "fixed", "adaptive")
+
 
 @dataclass(frozen=True)
 class CustomRewardConfig:
@@ -29,7 +36,7 @@ class OverlongBufferConfig:
 
 @dataclass(frozen=True)
 class RewardModelConfig:
-    reward_manager: str
+    reward_manager: RewardManagerName
     """`naive` or `dapo` (verl's managers): `dapo` records a plain-number score as `acc` and applies the overlong buffer."""
     overlong_buffer: OverlongBufferConfig
     """DAPO's overlong reward shaping."""
@@ -43,7 +50,7 @@ class RewardConfig:
 
 @dataclass(frozen=True)
 class KLControlConfig:
-    type: str
+    type: KLControlType
     """In-reward KL coefficient: `fixed` or `adaptive`."""
     kl_coef: float
     """(Initial) KL coefficient."""

@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from ballast.trainer.config.schema.choice import choice
+
+# verl's values; `async` (verl's agent-loop rollout server) is a start-up error asking for `sync`.
+RolloutMode = choice("RolloutMode", __name__, "sync", "async")
+
 
 @dataclass(frozen=True)
 class ValKwargs:
@@ -27,7 +32,7 @@ class RolloutSection:
 
     name: str
     """Rollout backend: `vllm` or `hf` (transformers generate)."""
-    mode: str
+    mode: RolloutMode
     """`sync` (batched generation); verl's `async` agent loop is not implemented (a start-up error)."""
     temperature: float
     """Sampling temperature (> 0 when `do_sample`); the actor's log-probs use the same one."""
