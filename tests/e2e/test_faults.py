@@ -62,7 +62,7 @@ def _driver(tmp_path, skipped, limit, *extra):
 def _update(trainer):
     """One actor update through the driver's own method, on a one-row step under verl's separate pass."""
     plan = plan_phase([3], 1, MicroBatchPolicy(MicroBatchMode.STATIC, micro_batch_size=1))
-    return trainer.update_actor(Batch({"x": torch.zeros(1, 1)}), plan, plans=None, separate_pass=True)
+    return trainer.update_actor(Batch({"x": torch.zeros(1, 1)}), plan, plans=None, separate_pass=True)[0]
 
 
 def test_nonfinite_steps_in_a_row_stop_the_run_at_the_limit(tmp_path):
