@@ -127,9 +127,15 @@ def _describe_adapter(record: dict | None) -> str:
 def _state(model, optimizer, trainable_only: bool = False) -> dict:
     options = StateDictOptions(ignore_frozen_params=trainable_only)
     if optimizer is None:
-        return {"model": get_model_state_dict(model, options=options)}
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
-    return {"model": model_sd, "optim": optim_sd}
+        model_sd, optim_sd = get_model_state_dict(model, options=options), None
+    else:
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+    if trainable_only:
+        # ignore_frozen_params still lets a frozen weight through under a tied alias (lm_head of a model
+        # with tied embeddings: the whole vocabulary matrix); keep exactly the trainable parameters.
+        trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+        model_sd = {name: value for name, value in model_sd.items() if name in trainable}
+    return {"model": model_sd} if optim_sd is None else {"model": model_sd, "optim": optim_sd}
 
 
 def unwrapped_class(model: torch.nn.Module) -> type:

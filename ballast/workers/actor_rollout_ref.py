@@ -30,6 +30,7 @@ from ballast.workers.perf import mfu_metrics, peak_flops
 from ballast.workers.rollout import build_backend, new_tp_group, tp_generate
 from ballast.workers.rollout.weight_sync import SyncMode, sync_actor, sync_mode
 from ballast.workers.spec import ActorRolloutRefSpec
+from ballast.workers.sync_check import METRIC_PREFIX as SYNC_CHECK_PREFIX
 from ballast.workers.sync_check import check_tolerance, probe_tokens, run_check
 from ballast.workers.train_loop import UpdateResult, run_train_loop
 
@@ -134,8 +135,10 @@ class ActorRolloutRefWorker(Worker):
             metrics[UPDATE_WEIGHTS_METRIC] = [time.perf_counter() - start]
         self.rollout.wake_up()
         if synced and self._probe is not None:
+            start = time.perf_counter()
             check = run_check(self.rollout, self.actor, self._probe, self._check_tolerance,
                               f"the {self._sync_mode} weights")
+            check[f"{SYNC_CHECK_PREFIX}/seconds"] = time.perf_counter() - start
             metrics.update({k: [v] for k, v in check.items()})
         sampling = self.spec.rollout_val_sampling if validate else None
         out = tp_generate(self.rollout, prompts.tensors.select(*PROMPT_KEYS), self._tp_group, sampling,

@@ -233,7 +233,7 @@ class VLLMBackend:
             params = self._sampling_params(sampling, stop, len(token_lists), call_index)
             outputs = self.llm.generate(
                 [TokensPrompt(prompt_token_ids=t) for t in token_lists], params, use_tqdm=False,
-                lora_request=self._lora_request(),
+                **self._adapter_kwargs(),
             )
             for out in outputs:
                 completion = out.outputs[0]
@@ -252,7 +252,7 @@ class VLLMBackend:
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=list(s)) for s in sequences], params, use_tqdm=False,
-            lora_request=self._lora_request(),
+            **self._adapter_kwargs(),
         )
         result = []
         for seq, out in zip(sequences, outputs):
@@ -291,8 +291,9 @@ class VLLMBackend:
         model's vLLM class supports LoRA; otherwise `adapter_unavailable` says why not)."""
         return self._serve_lora
 
-    def _lora_request(self):
-        return adapter_request(self._adapter_id) if self._adapter_id else None
+    def _adapter_kwargs(self) -> dict:
+        """`generate` arguments that run a request under the installed adapter (none before the first)."""
+        return {"lora_request": adapter_request(self._adapter_id)} if self._adapter_id else {}
 
     def load_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], peft_config: dict) -> int:
         """Make (PEFT file name, full tensor) pairs the served adapter, under a new id; the base weights

@@ -77,4 +77,4 @@ def sync_actor(backend: RolloutBackend, engine, mode: SyncMode, layered: bool = 
         if backend.needs_weights:  # a level-2 sleep dropped the base weights too
             backend.load_weights(engine.iter_base_state_dict(layered))
         return backend.load_adapter(engine.iter_adapter_state_dict(layered), engine.adapter.config_dict())
-    return backend.load_weights(engine.iter_full_state_dict(layered))
+    return backend.load_weights(engine.iter_full_state_dict(layered=True) if layered else engine.iter_full_state_dict())

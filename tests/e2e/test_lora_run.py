@@ -1,0 +1,79 @@
+"""LoRA runs through the whole driver loop: GRPO with a KL loss trains an adapter (the reference is the
+actor with its adapter off, no second model), the vLLM rollout serves each adapter version (checked after
+every sync), checkpoints hold the adapter only; merged-weight sync works too; and a run whose adapter
+never reaches the rollout stops, naming the cause."""
+
+import math
+import os
+from pathlib import Path
+
+import pytest
+
+from ballast.trainer.config import load_config
+from ballast.trainer.main import EXIT_WORKER_FAILED, prepare_typed, training_session
+
+from testkit.e2e import killed_on_exit, last_line, overrides, run_dir, start_trainer
+
+LORA = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16",
+        "actor_rollout_ref.actor.optim.lr=2e-2"]
+BROKEN_SYNC = str(Path(__file__).resolve().parents[1] / "testkit" / "broken_sync")
+
+
+@pytest.fixture()
+def prepared(tiny_task, e2e_ray, tmp_path):
+    def make(name, *extra):
+        return prepare_typed(load_config(overrides(tiny_task, run_dir(tmp_path, name), *extra)))
+
+    return make
+
+
+def _dir_bytes(path):
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+@pytest.mark.vllm
+def test_lora_grpo_with_kl_serves_every_adapter_version(prepared, tmp_path, capfd):
+    extra = [*LORA, "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.calculate_log_probs=True",
+             "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.1",
+             "trainer.total_training_steps=3", "trainer.save_freq=3"]
+    run = prepared("lora_vllm", *extra)
+    spec = run.plan.specs.actor_rollout_ref
+    assert spec.ref is None and spec.ref_in_actor and run.plan.sizes.use_reference  # no second model
+    with training_session(run) as trainer:
+        metrics = trainer.fit()
+    out = capfd.readouterr()
+    assert "LoRA weight sync: adapter only (rank 8)" in out.out + out.err
+    for key in ("rollout/sync_check/mean_abs_diff", "rollout/sync_check/adapter_effect", "actor/kl_loss",
+                "timing_s/update_weights", "training/rollout_actor_log_prob_diff/max"):
+        assert key in metrics and math.isfinite(metrics[key]), key
+    # step 3 samples with the adapter of two updates: vLLM serves exactly it
+    assert metrics["rollout/sync_check/mean_abs_diff"] < 1e-4
+    assert metrics["rollout/sync_check/adapter_effect"] > 1e-3  # the check could have told base from adapter
+    assert metrics["training/rollout_actor_log_prob_diff/max"] < 1e-3
+    assert metrics["actor/kl_loss"] > 0  # the reference (adapter off) differs from the trained actor
+    ckpt = os.path.join(str(tmp_path), "lora_vllm", "global_step_3", "actor")
+    model_bytes = _dir_bytes(run.cfg.actor_rollout_ref.model.path)
+    assert 0 < _dir_bytes(ckpt) < model_bytes / 2, "a LoRA checkpoint holds the adapter, not the base weights"
+
+
+def test_merged_weight_sync_is_checked_too(prepared):
+    extra = [*LORA, "actor_rollout_ref.model.lora.merge=True", "actor_rollout_ref.rollout.calculate_log_probs=True",
+             "trainer.total_training_steps=2"]
+    with training_session(prepared("lora_merged", *extra)) as trainer:
+        metrics = trainer.fit()
+    assert metrics["rollout/sync_check/mean_abs_diff"] < 1e-4 < metrics["rollout/sync_check/adapter_effect"]
+    assert metrics["training/rollout_actor_log_prob_diff/max"] < 1e-3
+
+
+@pytest.mark.vllm
+def test_a_run_whose_adapter_never_reaches_vllm_stops_naming_the_cause(tiny_task, tmp_path):
+    path = run_dir(tmp_path, "broken_sync")
+    env = {"PYTHONPATH": os.pathsep.join([BROKEN_SYNC, os.environ.get("PYTHONPATH", "")])}
+    proc = start_trainer(tiny_task, path, *LORA, "actor_rollout_ref.rollout.name=vllm",
+                         "trainer.total_training_steps=4", env=env)
+    with killed_on_exit(proc):
+        _, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == EXIT_WORKER_FAILED, stderr[-3000:]
+    reason = last_line(stderr)
+    assert "weight sync check failed" in reason, stderr[-3000:]
+    assert "the rollout is sampling from the base model, the trained adapter did not reach it" in reason
