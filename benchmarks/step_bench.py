@@ -21,7 +21,8 @@ runs it); TRL runs in one process with `torch.set_num_threads(workers)`, so both
 
 LoRA (`--lora RANK`): each repeat also runs Ballast with a rank-RANK, alpha-2xRANK all-linear adapter
 (variant `lora`, adapter-only weight sync into vLLM, the weight-sync check on) and, with TRL in
-`--systems`, TRL's `GRPOTrainer` with the same PEFT adapter (`trl_lora`); the summary's `lora` entry
+`--systems` (or `trl_lora` alone, without TRL's full fine-tune), TRL's `GRPOTrainer` with the same PEFT
+adapter (`trl_lora`); the summary's `lora` entry
 gives LoRA against the full fine-tune on the same work (step, update, weight-sync time and each
 worker's peak resident memory, paired per repeat) and against TRL+PEFT. `--lora-lr` sets its learning
 rate (default: the case's).
@@ -471,7 +472,7 @@ def main() -> None:
                 except RuntimeError as err:
                     print(f"[{case.name}] trl rep {rep} FAILED: {err}", flush=True)
                     result.setdefault("failed_runs", []).append(f"{case.name}/trl/{rep}: {err}")
-            if "trl" in systems and args.lora:
+            if args.lora and ("trl" in systems or "trl_lora" in systems):
                 try:
                     trl_lora.append(run_trl(lora_case, args.warmup, args.steps, args.trl_threads or args.workers,
                                             args.log_dir))

@@ -31,7 +31,7 @@ from ballast.workers.rollout import build_backend, new_tp_group, tp_generate
 from ballast.workers.rollout.weight_sync import SyncMode, sync_actor, sync_mode
 from ballast.workers.spec import ActorRolloutRefSpec
 from ballast.workers.sync_check import METRIC_PREFIX as SYNC_CHECK_PREFIX
-from ballast.workers.sync_check import check_tolerance, probe_tokens, run_check
+from ballast.workers.sync_check import SyncCheck, check_tolerance, probe_tokens
 from ballast.workers.train_loop import UpdateResult, run_train_loop
 
 UPDATE_WEIGHTS_METRIC = "timing_s/update_weights"
@@ -66,8 +66,7 @@ class ActorRolloutRefWorker(Worker):
         self._tp_group = None
         self._weights_stale = False
         self._sync_mode = SyncMode.FULL
-        self._probe: Optional[tuple] = None  # the weight-sync check's probe tokens (None: no check)
-        self._check_tolerance = 0.0
+        self._check: Optional[SyncCheck] = None  # the weight-sync check (None: off)
         self._peak_flops = None  # measured in init_model, for perf/mfu/*
 
     @register(Dispatch.ONE_TO_ALL)
@@ -107,10 +106,11 @@ class ActorRolloutRefWorker(Worker):
         # to reach it before the first rollout, and every rollout must then name it.
         self._weights_stale = has_adapter
         if self.spec.weight_sync.check:
-            self._probe = probe_tokens(min(self.rollout.vocab_size, self.actor.model.config.vocab_size))
             trainer_dtype = str(compute_dtype(self.actor.cfg, self.actor.parallel.device_type)).removeprefix("torch.")
-            self._check_tolerance = check_tolerance(self.spec.weight_sync.check_tolerance,
-                                                    self.rollout.config.resolved_dtype(), trainer_dtype)
+            tolerance = check_tolerance(self.spec.weight_sync.check_tolerance, self.rollout.config.resolved_dtype(),
+                                        trainer_dtype)
+            self._check = SyncCheck(probe_tokens(min(self.rollout.vocab_size, self.actor.model.config.vocab_size)),
+                                    tolerance)
         return {"weight_sync": str(self._sync_mode), "adapter_rank": self.actor.adapter.max_rank if has_adapter else 0,
                 "adapter_unavailable": getattr(self.rollout, "adapter_unavailable", None)}
 
@@ -134,10 +134,9 @@ class ActorRolloutRefWorker(Worker):
             # verl's timing_s/update_weights; the driver takes the slowest worker
             metrics[UPDATE_WEIGHTS_METRIC] = [time.perf_counter() - start]
         self.rollout.wake_up()
-        if synced and self._probe is not None:
+        if synced and self._check is not None:
             start = time.perf_counter()
-            check = run_check(self.rollout, self.actor, self._probe, self._check_tolerance,
-                              f"the {self._sync_mode} weights")
+            check = self._check.run(self.rollout, self.actor, f"the {self._sync_mode} weights")
             check[f"{SYNC_CHECK_PREFIX}/seconds"] = time.perf_counter() - start
             metrics.update({k: [v] for k, v in check.items()})
         sampling = self.spec.rollout_val_sampling if validate else None

@@ -7,7 +7,8 @@ teacher-forced log-probs at temperature 1:
 
 * `served`: the rollout engine's prompt log-probs (with its current adapter, if it serves one);
 * `trained`: the actor engine's, with its adapter;
-* `base`: the actor engine's with the adapter switched off (LoRA runs only).
+* `base`: the actor engine's with the adapter switched off (LoRA runs only; the base is frozen, so
+  this is computed once, at the first check).
 
 The check fails when mean |served - trained| exceeds the tolerance. `base` turns the failure into a
 diagnosis (served matches the base model: the adapter never arrived) and gives the metric that says
@@ -17,7 +18,8 @@ agreed over the whole worker group (one MAX all-reduce) so that every rank raise
 leaving its peers waiting in the next collective.
 
 The probe is `PROBE_TOKENS` token ids drawn from a fixed seed, the same on every rank (rollout TP
-peers must score identical inputs in lockstep); costs: one forward of that many tokens per engine.
+peers must score identical inputs in lockstep); cost per sync: one forward of that many tokens in
+the actor and one prompt-log-prob call in the rollout engine.
 """
 
 from __future__ import annotations
@@ -97,22 +99,29 @@ def diagnose(result: CheckResult, tolerance: float, what: str) -> str | None:
     return text + " The rollout is sampling from weights other than the trained ones (stale or partial update)."
 
 
-def run_check(backend, engine, tokens: tuple[int, ...], tolerance: float, what: str) -> dict[str, float]:
-    """Score the probe on `backend` and `engine`, agree the verdict over the default process group, and
-    raise `WeightSyncError` on every rank when any rank failed. Collective (engine mesh, rollout TP
-    group, then the world). Returns this rank's metrics."""
-    trained = engine.probe_log_probs(list(tokens))
-    base = None
-    if engine.adapter is not None:
-        with engine.adapter_disabled():
-            base = engine.probe_log_probs(list(tokens))
-    served = backend.prompt_log_probs([list(tokens)])[0]
-    result = compare(served, trained, base)
-    message = diagnose(result, tolerance, what)
-    failed = torch.tensor([0.0 if message is None else 1.0])
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-    if failed.item():
-        raise WeightSyncError(message or f"weight sync check failed on another worker after syncing {what} "
-                                         "(see that worker's error)")
-    return result.metrics()
+class SyncCheck:
+    """The check of one worker: its probe, its tolerance, and the base model's log-probs on the probe
+    (the base is frozen under LoRA, so they are computed once, at the first check)."""
+
+    def __init__(self, tokens: tuple[int, ...], tolerance: float) -> None:
+        self.tokens, self.tolerance = tuple(tokens), float(tolerance)
+        self._base: torch.Tensor | None = None
+
+    def run(self, backend, engine, what: str) -> dict[str, float]:
+        """Score the probe on `backend` and `engine`, agree the verdict over the default process group,
+        and raise `WeightSyncError` on every rank when any rank failed. Collective (engine mesh, rollout
+        TP group, then the world). Returns this rank's metrics."""
+        trained = engine.probe_log_probs(list(self.tokens))
+        if engine.adapter is not None and self._base is None:
+            with engine.adapter_disabled():
+                self._base = engine.probe_log_probs(list(self.tokens))
+        served = backend.prompt_log_probs([list(self.tokens)])[0]
+        result = compare(served, trained, self._base if engine.adapter is not None else None)
+        message = diagnose(result, self.tolerance, what)
+        failed = torch.tensor([0.0 if message is None else 1.0])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if failed.item():
+            raise WeightSyncError(message or f"weight sync check failed on another worker after syncing {what} "
+                                             "(see that worker's error)")
+        return result.metrics()

@@ -159,6 +159,10 @@ class VLLMBackend:
             else:
                 self.adapter_unavailable = architecture_serves_lora(config.model_path)[1] or None
         self._serve_lora = config.max_lora_rank is not None and self.adapter_unavailable is None
+        if self._serve_lora and not self.on_gpu:
+            from .vllm_cpu_lora_ops import install
+
+            install()  # vLLM's CPU LoRA ops copy the adapter per token; see vllm_cpu_lora_ops
         self._adapter_id = 0  # the installed adapter's id; 0: none yet (the base model is served)
         with _PreservedGlobalRNG():
             self.llm = LLM(**engine_kwargs(config, self.distributed, self._serve_lora))

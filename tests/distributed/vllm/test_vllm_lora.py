@@ -11,7 +11,7 @@ from ballast.engine.config import LoraSpec
 from ballast.engine.lora import adapter_state, attach_adapter
 from ballast.workers.rollout import RolloutConfig, SamplingConfig, build_backend
 from ballast.workers.rollout.vllm_lora import VLLM_LORA_RANKS
-from ballast.workers.sync_check import WeightSyncError, run_check
+from ballast.workers.sync_check import SyncCheck, WeightSyncError
 from testkit.prompts import left_padded_prompts
 
 pytest.importorskip("vllm")
@@ -106,7 +106,7 @@ def test_the_check_catches_an_adapter_that_never_arrived(engine, vllm_tiny_model
     model, adapter, tensors = trained_adapter(vllm_tiny_model_dir, 8, 3)
     actor = PeftEngine(model, adapter)
     engine.load_adapter(tensors.items(), adapter.config_dict())
-    metrics = run_check(engine, actor, tuple(SEQ), 1e-3, "the adapter weights")
+    metrics = SyncCheck(tuple(SEQ), 1e-3).run(engine, actor, "the adapter weights")
     assert metrics["rollout/sync_check/mean_abs_diff"] < 1e-4 < 1e-2 < metrics["rollout/sync_check/adapter_effect"]
     # the actor trains on, the sync is skipped: the engine still serves the previous adapter
     with torch.no_grad():
@@ -114,4 +114,4 @@ def test_the_check_catches_an_adapter_that_never_arrived(engine, vllm_tiny_model
             if ".lora_B." in name:
                 p.mul_(-1.0)
     with pytest.raises(WeightSyncError, match="neither the trained actor nor the base model"):
-        run_check(engine, actor, tuple(SEQ), 1e-3, "the adapter weights")
+        SyncCheck(tuple(SEQ), 1e-3).run(engine, actor, "the adapter weights")
