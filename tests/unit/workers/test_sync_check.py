@@ -47,7 +47,7 @@ class _Backend:
 
 
 def test_probe_is_fixed_and_in_range():
-    assert probe_tokens(50) == probe_tokens(50) and len(probe_tokens(50)) == 32
+    assert probe_tokens(50) == probe_tokens(50) and len(probe_tokens(50)) == 16
     assert all(0 <= t < 50 for t in probe_tokens(50, length=200))
     with pytest.raises(ValueError):
         probe_tokens(1)
