@@ -1,6 +1,7 @@
 """LoRA adapters on an engine's model (PEFT), and the name and merge maps that weight sync and export use.
 
-`attach_adapter` injects PEFT LoRA layers into the Hugging Face model in place, before `parallelize`
+`attach_adapter` injects PEFT LoRA layers (PEFT's own, with a fused forward: `fused_linear_class`)
+into the Hugging Face model in place, before `parallelize`
 applies FSDP2 or DDP, so the adapter is sharded, replicated and gradient-summed exactly like the full
 model's parameters would be; the base weights are frozen (`requires_grad=False`), so the optimizer,
 gradient clipping and the checkpoint's optimizer state hold adapter parameters only. The engine keeps
@@ -41,6 +42,7 @@ PEFT_PREFIX = "base_model.model."
 ADAPTER_DIR = "lora_adapter"  # the adapter's folder inside an exported model directory
 # Attribute names of a token-classification model's value head (transformers' conventions).
 VALUE_HEAD_NAMES = ("score", "classifier")
+_FUSED: type | None = None  # fused_linear_class(), made once
 _WRAPPED = re.compile(r"^(?P<module>.+)\.(?P<part>base_layer\.weight|lora_A\.default\.weight|lora_B\.default\.weight)$")
 
 
@@ -98,6 +100,47 @@ def value_head_name(model: torch.nn.Module) -> str:
     raise ValueError(f"{type(model).__name__} has no value head named {' or '.join(VALUE_HEAD_NAMES)}")
 
 
+def fused_linear_class() -> type:
+    """PEFT's LoRA `Linear` with a forward that adds the adapter inside one GEMM.
+
+    PEFT computes `base(x) + lora_B(lora_A(x)) * scaling`: the adapter's (tokens x out) output is
+    written, scaled into a second tensor and added into a third, and backward walks those passes again.
+    On CPU these memory-bound passes over every projection's output cost as much as a third of the
+    frozen model's update. Here the scaling goes on the (tokens x rank) product and the result is
+    `addmm(base(x), scaling * lora_A(x), B^T)`: one GEMM writes the sum. Same parameters, names and
+    state dict as PEFT's layer (a subclass, registered for `nn.Linear` targets); anything but plain
+    single-adapter LoRA (dropout, DoRA and other variants, adapter biases, mixed batches, merged or
+    switched-off adapters) takes PEFT's own forward.
+    """
+    global _FUSED
+    if _FUSED is None:
+        from peft.tuners.lora.layer import Linear
+
+        class FusedLoraLinear(Linear):
+            def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+                names = self.active_adapters
+                name = names[0] if len(names) == 1 else None
+                if (args or kwargs or name is None or self.disable_adapters or self.merged or name not in self.lora_A
+                        or name in self.lora_variant or not isinstance(self.lora_dropout[name], torch.nn.Identity)
+                        or self.lora_B[name].bias is not None):
+                    return super().forward(x, *args, **kwargs)
+                out = self.base_layer(x)
+                lora_a, lora_b = self.lora_A[name], self.lora_B[name]
+                h = lora_a(x.to(lora_a.weight.dtype)) * self.scaling[name]
+                flat = torch.addmm(out.reshape(-1, out.shape[-1]), h.reshape(-1, h.shape[-1]).to(out.dtype),
+                                   lora_b.weight.t().to(out.dtype))
+                return flat.view(out.shape)
+
+        _FUSED = FusedLoraLinear
+    return _FUSED
+
+
+def use_fused_linear(config):
+    """Make PEFT build `fused_linear_class()` layers for the `nn.Linear` targets of `config`."""
+    config._register_custom_module({torch.nn.Linear: fused_linear_class()})
+    return config
+
+
 def _lora_config(spec: LoraSpec, role: str, head: str | None):
     from peft import LoraConfig
 
@@ -107,10 +150,10 @@ def _lora_config(spec: LoraSpec, role: str, head: str | None):
     exclude = listed(spec.exclude_modules)
     if head is not None:  # the value head is trained whole, never adapted
         exclude = [*([exclude] if isinstance(exclude, str) else exclude or []), head]
-    return LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=listed(spec.target_modules),
-                      exclude_modules=exclude, lora_dropout=0.0, bias="none",
-                      task_type="TOKEN_CLS" if role == "critic" else "CAUSAL_LM",
-                      modules_to_save=[head] if head is not None else None)
+    return use_fused_linear(LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=listed(spec.target_modules),
+                                       exclude_modules=exclude, lora_dropout=0.0, bias="none",
+                                       task_type="TOKEN_CLS" if role == "critic" else "CAUSAL_LM",
+                                       modules_to_save=[head] if head is not None else None))
 
 
 def attach_adapter(model: torch.nn.Module, spec: LoraSpec, role: str, seed: int = 0) -> Adapter:
@@ -120,7 +163,7 @@ def attach_adapter(model: torch.nn.Module, spec: LoraSpec, role: str, seed: int 
     shards it (FSDP2 broadcasts nothing). Raises ValueError when the targets select anything but
     linear layers (embeddings, convolutions): merged sync and vLLM serve linear LoRA only.
     """
-    from peft import PeftModel, get_peft_model
+    from peft import PeftConfig, PeftModel, get_peft_model
 
     if not spec.enabled:
         raise ValueError("attach_adapter needs a LoraSpec with rank > 0 or an adapter_path")
@@ -128,7 +171,8 @@ def attach_adapter(model: torch.nn.Module, spec: LoraSpec, role: str, seed: int 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if spec.adapter_path is not None:
-            peft_model = PeftModel.from_pretrained(model, spec.adapter_path, is_trainable=True)
+            config = use_fused_linear(PeftConfig.from_pretrained(spec.adapter_path))
+            peft_model = PeftModel.from_pretrained(model, spec.adapter_path, config=config, is_trainable=True)
         else:
             peft_model = get_peft_model(model, _lora_config(spec, role, head))
     adapter = Adapter(peft_model, _scalings(model), head)

@@ -230,10 +230,10 @@ def _attach_served_adapter(model: torch.nn.Module, peft_config: dict) -> dict[st
 
     from peft import LoraConfig, get_peft_model
 
-    from ballast.engine.lora import is_adapter_param, peft_name
+    from ballast.engine.lora import is_adapter_param, peft_name, use_fused_linear
 
     fields = {f.name for f in dataclasses.fields(LoraConfig)}
-    config = LoraConfig(**{k: v for k, v in peft_config.items() if k in fields and k != "peft_type"})
+    config = use_fused_linear(LoraConfig(**{k: v for k, v in peft_config.items() if k in fields and k != "peft_type"}))
     config.inference_mode = True
     get_peft_model(model, config)  # injects the LoRA layers into `model` itself
     return {peft_name(name): tensor for name, tensor in model.state_dict(keep_vars=True).items()

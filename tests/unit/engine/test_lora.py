@@ -153,3 +153,32 @@ def test_critic_trains_its_value_head_whole(tiny_lm_dir):
     assert torch.equal(merged["score.weight"], critic.score.modules_to_save["default"].weight)
     names = dict(adapter_state(critic.state_dict().items()))
     assert "base_model.model.score.weight" in names
+
+
+def test_fused_layers_equal_pefts_forward_and_gradients(tiny_lm_dir, monkeypatch):
+    from peft.tuners.lora.layer import Linear as PeftLinear
+
+    from ballast.engine.lora import fused_linear_class
+
+    model = _lm(tiny_lm_dir)
+    adapter = attach_adapter(model, LoraSpec(rank=4, alpha=8), "actor", seed=2)
+    _randomise_b(model)
+    layers = [m for m in model.modules() if isinstance(m, PeftLinear)]
+    assert layers and all(type(m) is fused_linear_class() for m in layers)
+
+    def loss_and_grads():
+        model.zero_grad(set_to_none=True)
+        logits = model(input_ids=IDS, use_cache=False).logits.float()
+        loss = torch.log_softmax(logits, -1).gather(-1, IDS[..., None]).mean()
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    fused_loss, fused_grads = loss_and_grads()
+    monkeypatch.setattr(fused_linear_class(), "forward", PeftLinear.forward)
+    peft_loss, peft_grads = loss_and_grads()
+    assert torch.allclose(fused_loss, peft_loss, atol=1e-6)
+    assert all(torch.allclose(fused_grads[n], peft_grads[n], atol=1e-6, rtol=1e-5) for n in peft_grads)
+    monkeypatch.undo()
+    with adapter.disabled():  # the switch takes PEFT's path: the base model
+        base = _log_probs(model)
+    assert torch.allclose(base, _log_probs(_lm(tiny_lm_dir)), atol=1e-6)
