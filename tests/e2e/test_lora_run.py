@@ -1,7 +1,8 @@
 """LoRA runs through the whole driver loop: GRPO with a KL loss trains an adapter (the reference is the
 actor with its adapter off, no second model), the vLLM rollout serves each adapter version (checked after
-every sync), checkpoints hold the adapter only; merged-weight sync works too; and a run whose adapter
-never reaches the rollout stops, naming the cause."""
+every sync), checkpoints hold the adapter only; merged-weight sync works too, also with rollout
+correction's bypass mode (the rollout's log-probs as the old policy) next to the adapter-off reference;
+and a run whose adapter never reaches the rollout stops, naming the cause."""
 
 import math
 import os
@@ -56,13 +57,28 @@ def test_lora_grpo_with_kl_serves_every_adapter_version(prepared, tmp_path, capf
     assert 0 < _dir_bytes(ckpt) < model_bytes / 2, "a LoRA checkpoint holds the adapter, not the base weights"
 
 
-def test_merged_weight_sync_is_checked_too(prepared):
+def test_merged_sync_with_bypass_correction_and_a_kl_loss(prepared, tmp_path):
+    # Rollout correction's bypass mode takes the rollout's log-probs (sampled with the merged adapter) as
+    # the old policy, while the KL loss's reference is the actor with its adapter off: both in one run.
     extra = [*LORA, "actor_rollout_ref.model.lora.merge=True", "actor_rollout_ref.rollout.calculate_log_probs=True",
+             "+algorithm/rollout_correction=bypass_ppo_clip", "actor_rollout_ref.actor.use_kl_loss=True",
+             "actor_rollout_ref.actor.kl_loss_coef=0.1", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
              "trainer.total_training_steps=2"]
-    with training_session(prepared("lora_merged", *extra)) as trainer:
+    run = prepared("lora_merged_bypass", *extra)
+    assert run.plan.specs.actor_rollout_ref.ref_in_actor
+    with training_session(run) as trainer:
+        assert trainer.old_log_probs.mode == "rollout"
+        passes = []
+        original = trainer.workers.actor_rollout.compute_log_prob
+        trainer.workers.actor_rollout.compute_log_prob = lambda *a, **k: passes.append(1) or original(*a, **k)
         metrics = trainer.fit()
+    assert passes == []  # the rollout's log-probs are the old policy
     assert metrics["rollout/sync_check/mean_abs_diff"] < 1e-4 < metrics["rollout/sync_check/adapter_effect"]
+    # one mini-batch: every row is trained by the policy that sampled it, so the rollout's log-probs and
+    # the update's agree as exactly as the engines do, and the correction's KL is ~0
     assert metrics["training/rollout_actor_log_prob_diff/max"] < 1e-3
+    assert abs(metrics["rollout_corr/kl"]) < 1e-4
+    assert metrics["actor/kl_loss"] > 0  # step 2: the adapter of step 1 against the base (adapter off)
 
 
 def test_ppo_with_lora_on_actor_and_critic(prepared, tmp_path):

@@ -100,7 +100,7 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(session, tmp_path):
     # a save that crashed half-way must not be picked up
     os.makedirs(os.path.join(ckpt_root, ".tmp_global_step_3", "actor"))
     with session("resumed", "trainer.total_training_steps=3", "trainer.resume_mode=auto") as trainer:
-        assert trainer.resume() is not None and trainer.global_step == 2
+        assert trainer.resumed_from is not None and trainer.global_step == 2
         resumed = trainer.fit()
     assert straight["balance/actor_plan/num_micro_batches"] >= 1  # the updates ran the driver's central plan
     for key in COMPARED:

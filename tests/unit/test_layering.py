@@ -44,7 +44,7 @@ def test_package_respects_the_layering(package):
 
 
 def test_the_config_package_imports_no_other_part_of_the_trainer():
-    # The run's plan (ballast.trainer.run_plan) builds on the config, never the other way round.
+    # The run's plan (ballast.trainer.run.run_plan) builds on the config, never the other way round.
     violations = [f"{path.relative_to(PKG.parent)} imports {name}"
                   for path in sorted((PKG / "trainer" / "config").rglob("*.py")) for name in _imports(path)
                   if name == "ballast.trainer" or (name.startswith("ballast.trainer.")

@@ -1,6 +1,6 @@
 """Typed config (schema + loader), the start-up rules on it and the frozen derived batch sizes.
 
-This package imports no other part of `ballast.trainer`: `ballast.trainer.run_plan.plan_run` builds
+This package imports no other part of `ballast.trainer`: `ballast.trainer.run.run_plan.plan_run` builds
 a run's sizes and worker specs from it, once, and is the start-up check.
 """
 

@@ -16,6 +16,7 @@ from typing import Iterable, Optional
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from ballast.trainer.config.overrides import ambiguous_overrides
 from ballast.trainer.config.schema import BallastConfig, Choice
 from ballast.trainer.config.schema.choice import values
 
@@ -37,6 +38,7 @@ def compose(overrides: Iterable[str] = (), config_name: str = "ppo_trainer") -> 
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
 
+    _refuse_ambiguous(overrides)
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
     try:
@@ -58,6 +60,7 @@ def _as_path_list(value) -> Optional[list]:
 
 def to_typed(cfg: DictConfig) -> BallastConfig:
     """Check `cfg` against the schema (unknown keys, wrong types, missing values) and freeze it."""
+    _refuse_ambiguous(_command_line_overrides())
     try:
         plain = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except OmegaConfBaseException as err:
@@ -76,6 +79,19 @@ def to_typed(cfg: DictConfig) -> BallastConfig:
     except OmegaConfBaseException as err:
         raise ConfigError(_describe(err)) from err
     return _freeze(typed, BallastConfig)
+
+
+def _refuse_ambiguous(overrides) -> None:
+    messages = ambiguous_overrides(overrides)
+    if messages:
+        raise ConfigError(messages[0])
+
+
+def _command_line_overrides() -> list:
+    """The overrides of the running `@hydra.main` command line (none outside one)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
 @functools.lru_cache(maxsize=None)

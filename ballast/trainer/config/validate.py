@@ -4,7 +4,7 @@ Everything here runs on the driver before any Ray actor exists, so an invalid co
 worker. Each rule is stated once, by its owner: a value outside a field's choices is refused by the
 loader (the schema types it); batch divisibility lives with the sizes it protects (`derived.py`);
 FSDP sections with their resolution (`fsdp.py`); what the engine, rollout and data loader require of
-their own settings is checked by them when `ballast.trainer.run_plan.plan_run` builds their specs,
+their own settings is checked by them when `ballast.trainer.run.run_plan.plan_run` builds their specs,
 and reported with the config key (`keys.py`); registered names (advantage estimators, losses,
 loggers) by `plan_run` against the registries. What is left here are rules about keys only the
 trainer reads; `check_rules` runs them all.
