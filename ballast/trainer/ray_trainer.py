@@ -51,6 +51,7 @@ from ballast.trainer.step.monitor import BalanceMonitor, micro_batch_metrics, ra
 from ballast.trainer.step.old_log_probs import OldLogProbPhase, old_log_prob_metrics
 from ballast.trainer.step.plans import StepPlanner, epoch_partitions, plan_metrics, row_lengths
 from ballast.workers.actor_rollout_ref import UPDATE_WEIGHTS_METRIC
+from ballast.workers.sync_check import METRIC_PREFIX as SYNC_CHECK_PREFIX
 from ballast.workers.rollout.base import validation_call_index
 from ballast.workers.on_policy import OldLogProbMode
 from ballast.trainer.step.reward import RewardManager
@@ -87,6 +88,7 @@ class RayPPOTrainer:
         self._nonfinite_in_a_row = 0
         self._pending_metrics: Dict[str, float] = {}  # measured after a step's row was logged
         self._weight_sync_s = 0.0
+        self._sync_check: Dict[str, float] = {}
         self.monitor = BalanceMonitor(tracker, self.total_steps, cfg.trainer.enable_monitor,
                                       cfg.trainer.monitor_interval, sizes.actor.token_budget(sizes.actor.train))
         self.resumed_from: Optional[str] = None  # the checkpoint `resume` loaded
@@ -205,6 +207,8 @@ class RayPPOTrainer:
         batch = prompts.repeat(self.cfg.actor_rollout_ref.rollout.n, interleave=True)
         out = self.workers.actor_rollout.generate_sequences(batch, call_index=step)
         self._weight_sync_s = max(out.metrics.get(UPDATE_WEIGHTS_METRIC, []), default=0.0)
+        # The weight-sync check's figures (LoRA runs): the worst worker's.
+        self._sync_check = {k: max(v) for k, v in out.metrics.items() if k.startswith(SYNC_CHECK_PREFIX) and v}
         return out.batch
 
     def generate_and_score(self, prompts: Batch, step: int, timing: Dict[str, float],
@@ -220,6 +224,7 @@ class RayPPOTrainer:
                 batch = self.generate(prompts, step + num_gen * EXTRA_GENERATION_CALL_STRIDE)
             if self._weight_sync_s:  # part of timing_s/gen, also reported alone as verl does
                 timing["update_weights"] = timing.get("update_weights", 0.0) + self._weight_sync_s
+            metrics.update(self._sync_check)
             with _timer(timing, "reward"):
                 extras = self._score(batch, step)
             num_gen += 1

@@ -103,6 +103,7 @@ class HFBackend:
         self.vocab_size = int(self.model.config.get_text_config().vocab_size)
         self.last_input_digest: str | None = None
         self.num_calls = 0
+        self._adapter: dict[str, torch.Tensor] | None = None  # PEFT file name -> the served adapter's tensor
 
     @torch.no_grad()
     def generate(
@@ -175,6 +176,30 @@ class HFBackend:
                 count += 1
         return count
 
+    @property
+    def serves_adapters(self) -> bool:
+        """Always: the first `load_adapter` adds PEFT LoRA layers to this backend's own model."""
+        return True
+
+    def load_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], peft_config: dict) -> int:
+        """Copy a LoRA adapter (PEFT file names) into the model's adapter, adding one like it first if
+        the model has none yet; the base weights stay as they are."""
+        if self._adapter is None:
+            self._adapter = _attach_served_adapter(self.model, peft_config)
+        count, expected = 0, set(self._adapter)
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                target = self._adapter.get(name)
+                if target is None or tuple(target.shape) != tuple(tensor.shape):
+                    raise ValueError(f"load_adapter: {name!r} {tuple(tensor.shape)} does not match the served adapter"
+                                     f" ({None if target is None else tuple(target.shape)})")
+                target.copy_(tensor.detach().to(device=target.device, dtype=target.dtype))
+                expected.discard(name)
+                count += 1
+        if expected:
+            raise ValueError(f"load_adapter: the adapter lacks {sorted(expected)[:3]} (+{max(len(expected) - 3, 0)})")
+        return count
+
     @torch.no_grad()
     def prompt_log_probs(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         result = []
@@ -196,3 +221,20 @@ class HFBackend:
 
     def shutdown(self) -> None:
         self.model = None
+
+
+def _attach_served_adapter(model: torch.nn.Module, peft_config: dict) -> dict[str, torch.Tensor]:
+    """Add a LoRA adapter described by `peft_config` to `model` in place (PEFT); returns its tensors by
+    PEFT file name. The layers' forward then adds the adapter's output to the base layer's."""
+    import dataclasses
+
+    from peft import LoraConfig, get_peft_model
+
+    from ballast.engine.lora import is_adapter_param, peft_name, use_fused_linear
+
+    fields = {f.name for f in dataclasses.fields(LoraConfig)}
+    config = use_fused_linear(LoraConfig(**{k: v for k, v in peft_config.items() if k in fields and k != "peft_type"}))
+    config.inference_mode = True
+    get_peft_model(model, config)  # injects the LoRA layers into `model` itself
+    return {peft_name(name): tensor for name, tensor in model.state_dict(keep_vars=True).items()
+            if is_adapter_param(name)}

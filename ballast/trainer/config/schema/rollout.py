@@ -86,5 +86,14 @@ class RolloutSection:
     """Token-budget micro-batches for the old-log-prob pass."""
     log_prob_max_token_len_per_gpu: int
     """Dynamic token budget per device of the old-log-prob pass."""
+    layered_summon: bool
+    """Gather the actor's weights for a weight sync one decoder layer at a time (less memory, more
+    collectives) instead of in buckets of up to 256 MB."""
+    weight_sync_check: Optional[bool]
+    """After every weight sync, check that the rollout engine's log-probs on a fixed probe match the
+    actor's, failing the run otherwise; null: on exactly for LoRA runs."""
+    weight_sync_check_tolerance: Optional[float]
+    """Largest mean absolute log-prob difference the check accepts; null: 1e-3 for a float32 rollout,
+    5e-2 for bfloat16/float16."""
     val_kwargs: ValKwargs
     """Sampling for validation."""
