@@ -27,6 +27,8 @@ from ballast.engine import MiniBatchPlan, PhasePlan
 from ballast.workers.on_policy import OldLogProbMode, SelfOldLogProbLoss, rows_after_first
 from ballast.workers.perf import mfu_metrics, peak_flops
 from ballast.workers.rollout import build_backend, new_tp_group, tp_generate
+from ballast.workers.agent_loop.runner import AgentLoopRunner
+from ballast.workers.agent_loop.tp import tp_agent_generate
 from ballast.workers.spec import ActorRolloutRefSpec
 from ballast.workers.train_loop import UpdateResult, run_train_loop
 
@@ -59,6 +61,7 @@ class ActorRolloutRefWorker(Worker):
         self.actor: Optional[TrainEngine] = None
         self.ref: Optional[TrainEngine] = None
         self.rollout = None
+        self._agents: Optional[AgentLoopRunner] = None  # rollout.mode=async
         self._tp_group = None
         self._weights_stale = False
         self._peak_flops = None  # measured in init_model, for perf/mfu/*
@@ -84,6 +87,8 @@ class ActorRolloutRefWorker(Worker):
             if tp > 1:
                 self._tp_group = new_tp_group(tp)
             self.rollout = build_backend(_per_engine_seed(spec.rollout, self.rank // tp))
+            if spec.agent is not None:
+                self._agents = AgentLoopRunner(self.rollout, spec.agent)
             self.rollout.sleep()  # GPU: hand the memory to training until the first generate
         return {"rank": self.rank, "pid": os.getpid()}
 
@@ -107,10 +112,16 @@ class ActorRolloutRefWorker(Worker):
             metrics[UPDATE_WEIGHTS_METRIC] = [time.perf_counter() - start]
         self.rollout.wake_up()
         sampling = self.spec.rollout_val_sampling if validate else None
-        out = tp_generate(self.rollout, prompts.tensors.select(*PROMPT_KEYS), self._tp_group, sampling,
-                          call_index=call_index)
+        non_tensors = dict(prompts.non_tensors)
+        if self._agents is not None:  # request-level rollout: one agent loop per row, all concurrent
+            result = tp_agent_generate(self._agents, prompts, self._tp_group, sampling, call_index=call_index)
+            out = result.tensors
+            non_tensors.update(result.columns)
+        else:
+            out = tp_generate(self.rollout, prompts.tensors.select(*PROMPT_KEYS), self._tp_group, sampling,
+                              call_index=call_index)
         self.rollout.sleep()
-        return Output(Batch(out, non_tensors=prompts.non_tensors, meta=dict(prompts.meta)), metrics)
+        return Output(Batch(out, non_tensors=non_tensors, meta=dict(prompts.meta)), metrics)
 
     # ------------------------------------------------------------------ actor
     def _require(self, engine, role):

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from ballast.engine import EngineConfig
+from ballast.workers.agent_loop.config import AgentLoopSpec
 from ballast.workers.rollout import RolloutConfig, SamplingConfig
 
 
@@ -37,6 +38,8 @@ class ActorRolloutRefSpec:
     rollout_val_sampling: Optional[SamplingConfig]
     ref: Optional[EngineConfig]
     temperature: float = 1.0
+    # rollout.mode=async: agent loops over request-level rollout (None: one batched generate per call)
+    agent: Optional[AgentLoopSpec] = None
     seed: int = 0
     dist_timeout_s: float = 1800.0
 
@@ -45,6 +48,8 @@ class ActorRolloutRefSpec:
             raise ValueError("an ActorRolloutRefSpec needs at least one of actor, rollout, ref")
         if self.actor is not None and self.actor_train is None:
             raise ValueError("the actor role needs actor_train")
+        if self.agent is not None and self.rollout is None:
+            raise ValueError("agent loops (rollout.mode=async) need the rollout role")
 
 
 @dataclass(frozen=True)

@@ -100,9 +100,9 @@ def _check_names(cfg: BallastConfig, names: dict) -> None:
         raise ConfigError("actor_rollout_ref.hybrid_engine=False is not supported (verl's PPO trainer requires "
                           "True as well): the actor and rollout always share one process")
     _one_of("actor_rollout_ref.rollout.mode", arr.rollout.mode, get_args(RolloutMode))
-    if arr.rollout.mode == "async":
-        raise ConfigError("actor_rollout_ref.rollout.mode=async (verl's agent-loop rollout server) is not "
-                          "implemented; set actor_rollout_ref.rollout.mode=sync (batched generation)")
+    if arr.rollout.multi_turn.enable and arr.rollout.mode != "async":
+        raise ConfigError("actor_rollout_ref.rollout.multi_turn.enable=True needs actor_rollout_ref.rollout.mode=async "
+                          "(tool-calling conversations run as agent loops on request-level rollout)")
     _one_of("data.truncation", cfg.data.truncation, TRUNCATION_MODES)
     _one_of("trainer.balance_workload", t.balance_workload, WORKLOAD_NAMES + BALANCE_WORKLOADS)
     for i, name in enumerate(t.logger):

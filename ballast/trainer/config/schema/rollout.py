@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from ballast.trainer.config.schema.agent import AgentSection, MultiTurnSection
+
 
 @dataclass(frozen=True)
 class ValKwargs:
@@ -28,7 +30,8 @@ class RolloutSection:
     name: str
     """Rollout backend: `vllm` or `hf` (transformers generate)."""
     mode: str
-    """`sync` (batched generation); verl's `async` agent loop is not implemented (a start-up error)."""
+    """`sync` (one batched generate per call) or `async` (agent loops over request-level rollout:
+    every sample is a conversation that advances concurrently; `multi_turn` adds tools)."""
     temperature: float
     """Sampling temperature (> 0 when `do_sample`); the actor's log-probs use the same one."""
     top_k: int
@@ -83,3 +86,7 @@ class RolloutSection:
     """Dynamic token budget per device of the old-log-prob pass."""
     val_kwargs: ValKwargs
     """Sampling for validation."""
+    multi_turn: MultiTurnSection
+    """Tool-calling conversations (rollout.mode=async)."""
+    agent: AgentSection
+    """Agent loops (rollout.mode=async)."""
