@@ -17,7 +17,8 @@ rewrites earlier turns) or rewrites content. "strict" flags any difference, "ign
 differences that are not whitespace, "disable" skips the check. The sampled ids are never changed:
 a model may sample a non-canonical tokenisation of its own text, and re-tokenising would train it
 on tokens it did not sample. `probe` runs the check on a synthetic tool conversation when the worker
-starts, so an unusable template fails before the first step instead of in every sample.
+starts, so a template that fails it stops the run before the first step instead of being flagged in
+every sample.
 """
 
 from __future__ import annotations
@@ -38,22 +39,24 @@ class TemplateError(ValueError):
 
 @dataclass(frozen=True)
 class TextDiff:
-    """Where the sampled sequence's text and the template's rendering differ (a few chunks)."""
+    """Where the sampled sequence's text and the template's rendering differ: per differing span,
+    (sequence text, rendered text, the 20 characters before it)."""
 
-    chunks: tuple[tuple[str, str], ...]  # (sequence text, rendered text) per differing span
+    chunks: tuple[tuple[str, str, str], ...]
 
     def only_whitespace(self) -> bool:
-        return all(not a.strip() and not b.strip() for a, b in self.chunks)
+        return all(not a.strip() and not b.strip() for a, b, _ in self.chunks)
 
     def __str__(self) -> str:
-        return "; ".join(f"sequence {a!r} vs template {b!r}" for a, b in self.chunks[:4])
+        return "; ".join(f"after {c!r}: sequence {a!r} vs template {b!r}" for a, b, c in self.chunks[:4])
 
 
 def text_diff(ours: str, expected: str) -> TextDiff | None:
     if ours == expected:
         return None
     matcher = difflib.SequenceMatcher(None, ours, expected, autojunk=False)
-    chunks = tuple((ours[i1:i2], expected[j1:j2]) for op, i1, i2, j1, j2 in matcher.get_opcodes() if op != "equal")
+    chunks = tuple((ours[i1:i2], expected[j1:j2], ours[max(0, i1 - 20):i1])
+                   for op, i1, i2, j1, j2 in matcher.get_opcodes() if op != "equal")
     return TextDiff(chunks)
 
 
@@ -105,15 +108,17 @@ class ChatFormat:
         return self.assistant_closing
 
     def insertion_text(self, messages: list[dict], stop_text: str | None, tools: list | None = None) -> str:
-        """Text to append after a finished assistant turn to add `messages` and the next generation prompt."""
-        before = _SYNTHETIC + [{"role": "assistant", "content": _SENTINEL}]
-        head = self.render(before, tools=tools)
-        full = self.render(before + list(messages), add_generation_prompt=True, tools=tools)
-        if not full.startswith(head):
-            raise TemplateError(
-                f"the chat template is not append-only: adding {[m['role'] for m in messages]} messages changes "
-                f"the rendering of the turns before them ({text_diff(full[:len(head)], head)})")
-        return self.closing_after(stop_text) + full[len(head):]
+        """Text to append after a finished assistant turn to add `messages` and the next generation
+        prompt: what the template writes after an assistant turn's content when `messages` follow it,
+        less the stop token the model already sampled. Whether appending this reproduces the
+        template's rendering of the whole conversation is what `check` verifies."""
+        full = self.render(_SYNTHETIC + [{"role": "assistant", "content": _SENTINEL}] + list(messages),
+                           add_generation_prompt=True, tools=tools)
+        if full.count(_SENTINEL) != 1:
+            raise TemplateError("the chat template does not render an assistant turn followed by "
+                                f"{[m['role'] for m in messages]} messages with the turn's content intact")
+        after = full[full.index(_SENTINEL) + len(_SENTINEL):]
+        return after[len(stop_text):] if stop_text is not None and after.startswith(stop_text) else after
 
     def insertion_ids(self, messages: list[dict], stop_text: str | None, tools: list | None = None) -> list[int]:
         return self.encode(self.insertion_text(messages, stop_text, tools))
@@ -133,9 +138,8 @@ class ChatFormat:
 
     def probe(self, stop_text: str, tools: list | None = None) -> None:
         """Build a synthetic tool conversation the way the agent loop does and check it; TemplateError
-        (naming `tokenization_sanity_check_mode`) if the template fails the configured check."""
-        if self.sanity_mode == "disable":
-            return
+        (naming `tokenization_sanity_check_mode`) if the template fails the configured check. Whatever
+        the mode, a template that cannot render a tool turn after an assistant turn fails here."""
         messages = [{"role": "system", "content": "You can call tools."}, {"role": "user", "content": "What is 6 * 7?"}]
         ids = self.prompt_ids(messages, tools)
         first = 'Let me compute. <tool_call>{"name": "calculator", "arguments": {"expression": "6 * 7"}}</tool_call>'
@@ -145,6 +149,8 @@ class ChatFormat:
             if follow:
                 ids += self.insertion_ids(follow, stop_text, tools)
                 messages.extend(follow)
+        if self.sanity_mode == "disable":
+            return
         diff = self.check(ids, messages, stop_text, tools)
         if diff is not None:
             raise TemplateError(
