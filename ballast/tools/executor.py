@@ -5,9 +5,10 @@ that are not UTF-8. None of that may stall a rollout step, so every call
 
   * runs on its own daemon thread with its own event loop, and the agent loop waits for it at most
     `timeout_s` (the tool's `config.timeout_s`, else the executor's default). A call that does not
-    return in time is recorded as a timeout and abandoned: Python cannot stop a thread, so a tool
-    stuck in pure Python keeps its thread until the process ends (sandboxed tools kill their own
-    subprocess at their own deadline, see `sandbox.py`);
+    return in time is recorded as a timeout; its coroutine is cancelled in its own loop (an
+    awaiting tool ends there and is released), but Python cannot stop a thread, so a tool blocked
+    in plain Python keeps its thread until it returns (sandboxed tools kill their own subprocess at
+    their own deadline, see `sandbox.py`);
   * holds one of `max_concurrency` slots (all conversations of a worker together), and a turn runs at
     most `max_parallel_calls` of its calls (verl: calls beyond that are dropped, and counted here);
   * returns text that is valid UTF-8 (bytes are decoded with replacement characters, lone surrogates
@@ -58,8 +59,9 @@ def clean_text(value, max_chars: int) -> str:
     elif not isinstance(value, str):
         value = str(value)
     value = value[:max_chars]
-    # Lone surrogates (e.g. from surrogateescape) cannot be encoded, so no tokenizer could take them.
-    return value.encode("utf-8", errors="replace").decode("utf-8")
+    # Lone surrogates (e.g. bytes smuggled in by surrogateescape) cannot be encoded, so no tokenizer
+    # could take them: they become replacement characters, like undecodable bytes.
+    return value.encode("utf-8", errors="surrogatepass").decode("utf-8", errors="replace")
 
 
 def truncate(text: str, max_length: int, side: TruncateSide) -> str:
@@ -138,7 +140,9 @@ class ToolExecutor:
 
 def _start_on_thread(tool: Tool, arguments: dict, kwargs: dict):
     """Run create/execute/release of one call on a fresh daemon thread with its own event loop, so a
-    tool that blocks (or never returns) cannot stall the agent loops' event loop."""
+    tool that blocks (or never returns) cannot stall the agent loops' event loop. Cancelling the
+    returned future (a timeout does) cancels the call's coroutine in that loop, so a tool waiting
+    asynchronously ends at once (its release runs); one blocking in plain Python keeps its thread."""
     import concurrent.futures
 
     future: concurrent.futures.Future = concurrent.futures.Future()
@@ -151,10 +155,15 @@ def _start_on_thread(tool: Tool, arguments: dict, kwargs: dict):
             await tool.release(instance)
 
     def work():
+        loop = asyncio.new_event_loop()
+        task = loop.create_task(lifecycle())
+        future.add_done_callback(lambda f: f.cancelled() and loop.call_soon_threadsafe(task.cancel))
         try:
-            result, err = asyncio.run(lifecycle()), None
-        except BaseException as exc:  # handed to the waiting agent loop
+            result, err = loop.run_until_complete(task), None
+        except BaseException as exc:  # handed to the waiting agent loop (or dropped after a timeout)
             result, err = None, exc
+        finally:
+            loop.close()
         try:
             future.set_exception(err) if err is not None else future.set_result(result)
         except concurrent.futures.InvalidStateError:  # the caller gave up (timeout) and cancelled it
