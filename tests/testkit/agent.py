@@ -101,3 +101,25 @@ class FakeCore:
 
     def abort_all(self):
         self.live.clear()
+
+
+INSERTED = (5, 6, 7, 8, 9)
+
+
+def register_inserting_loop():
+    """Register "test_inserting_agent", a multi-turn loop for real engines (random models never call
+    tools): three sampled turns of at most 6 tokens with INSERTED ids (mask 0) between them."""
+    from ballast.workers.agent_loop import AgentLoop, StopReason, Transcript, register
+
+    @register("test_inserting_agent")
+    class _Inserting(AgentLoop):
+        async def run(self, sample):
+            t = Transcript(sample.prompt_ids, with_log_probs=self.ctx.sampling.calculate_log_probs)
+            for turn in range(3):
+                if turn:
+                    t.add_inserted(INSERTED)
+                out = await self.ctx.engine.generate(TurnRequest(t.ids, 6, sample.seed(turn)))
+                t.add_sampled(out.token_ids, out.log_probs)
+            return t.output(StopReason.ANSWER, num_turns=5, info={"assistant_turns": 3.0})
+
+    return _Inserting

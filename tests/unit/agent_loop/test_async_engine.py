@@ -101,3 +101,30 @@ def test_single_turn_async_equals_batched_generation_token_for_token(hf_backend,
     stops = result.columns["agent_stop_reason"]
     assert set(stops) <= {"answer", "length"}
     assert list(result.columns["agent_num_turns"]) == [2] * len(PROMPTS)
+
+
+def test_multi_turn_rollout_log_probs_are_those_of_the_final_sequence(hf_backend, tiny_dir):
+    """Teacher-forcing the assembled sequence reproduces every sampled token's rollout log-prob: the
+    engine saw exactly this context (sampled + inserted tokens) when it sampled each token."""
+    from testkit.agent import INSERTED, register_inserting_loop
+
+    register_inserting_loop()
+    sampling = SamplingConfig(max_response_length=32, seed=3, calculate_log_probs=True, ignore_eos=True)
+    prompts = Batch(left_padded_prompts(PROMPTS[:3], position_ids=True),
+                    non_tensors={"agent_name": ["test_inserting_agent"] * 3})
+    runner = AgentLoopRunner(hf_backend, AgentLoopSpec(tokenizer_path=tiny_dir, prompt_length=16, response_length=32))
+    out = runner.generate(prompts, sampling, call_index=1).tensors
+    model = hf_backend.model
+    for row in range(3):
+        real = out["attention_mask"][row].bool()
+        seq = out["input_ids"][row][real]
+        n_resp = int(out["attention_mask"][row, -32:].sum())
+        assert n_resp == 3 * 6 + 2 * len(INSERTED)
+        mask = out["response_mask"][row, :n_resp].bool()
+        with torch.no_grad():
+            logits = model(seq[None], use_cache=False).logits[0, -n_resp - 1:-1].float()
+        teacher = torch.log_softmax(logits, -1).gather(1, seq[-n_resp:, None])[:, 0]
+        rollout = out["rollout_log_probs"][row, :n_resp]
+        assert torch.allclose(rollout[mask], teacher[mask], atol=1e-4)
+        assert (rollout[~mask] == 0).all() and int((~mask).sum()) == 2 * len(INSERTED)
+        assert out["responses"][row, :n_resp][~mask].tolist() == list(INSERTED) * 2
