@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/agent_bench.py --json out.json
 
 Work. `--conversations` conversations (default 32), each making K tool calls (K drawn per
-conversation from 1..`--max-calls`), i.e. K + 1 model turns. Each turn samples a fixed number of
+conversation from `--min-calls`..`--max-calls`, default 4..8), i.e. K + 1 model turns. Each turn samples a fixed number of
 tokens with `ignore_eos` (so both modes generate exactly the same tokens): most turns are short
 (`--short` range), a fraction `--long-frac` are long (`--long` range), the long tail that a batch
 barrier waits for. Each tool call goes through the real `ToolExecutor` to a tool that waits
@@ -45,7 +45,7 @@ def make_work(args) -> list[dict]:
     rng = np.random.default_rng(args.seed)
     work = []
     for _ in range(args.conversations):
-        calls = int(rng.integers(1, args.max_calls + 1))
+        calls = int(rng.integers(args.min_calls, args.max_calls + 1))
         lengths = []
         for _ in range(calls + 1):
             lo, hi = args.long if rng.random() < args.long_frac else args.short
@@ -139,7 +139,8 @@ def main() -> None:
     p.add_argument("--backend", default="vllm", choices=["vllm", "hf"])
     p.add_argument("--preset", default="tiny")
     p.add_argument("--conversations", type=int, default=32)
-    p.add_argument("--max-calls", type=int, default=6)
+    p.add_argument("--min-calls", type=int, default=4)
+    p.add_argument("--max-calls", type=int, default=8)
     p.add_argument("--short", type=int, nargs=2, default=[8, 32])
     p.add_argument("--long", type=int, nargs=2, default=[160, 256])
     p.add_argument("--long-frac", type=float, default=0.05)
