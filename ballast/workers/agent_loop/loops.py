@@ -68,7 +68,7 @@ class ToolAgentLoop(AgentLoop):
             stop_text = chat.decode(out.token_ids[-1:]) if out.finish_reason == "stop" else None
             content = chat.decode(out.token_ids[:-1] if stop_text is not None else out.token_ids)
             messages.append({"role": "assistant", "content": content})
-            reason = self._should_stop(out.finish_reason, t, assistant, user)
+            reason = StopReason.LENGTH if out.finish_reason == "length" or ctx.budget(t) <= 0 else None
             calls = parse_hermes(content)[1] if reason is None else []
             if reason is None and not calls:
                 reason = StopReason.ANSWER
@@ -94,13 +94,7 @@ class ToolAgentLoop(AgentLoop):
             info["tokenization_mismatch"] = float(diff is not None)
             if diff is not None:
                 logger.warning("row %d: tokenization sanity check (%s): %s", sample.row, chat.sanity_mode, diff)
-        return t.output(reason, num_turns=assistant + user + 1, info=info,
-                        reward_score=None)
-
-    def _should_stop(self, finish_reason: str, t: Transcript, assistant: int, user: int) -> StopReason | None:
-        if finish_reason == "length" or self.ctx.budget(t) <= 0:
-            return StopReason.LENGTH
-        return None
+        return t.output(reason, num_turns=assistant + user + 1, info=info)
 
 
 def _count(info: dict, calls, results) -> None:
