@@ -1,11 +1,13 @@
-"""Actor-update throughput on CPU: static padded micro-batches vs dynamic token-budget micro-batches
-with remove-padding, at the same peak-memory budget.
+"""Actor-update throughput on CPU or one GPU: static padded micro-batches vs dynamic token-budget
+micro-batches with remove-padding, at the same peak-memory budget.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/engine_bench.py --json out.json
+    .venv/bin/python benchmarks/engine_bench.py --device cuda --json out.json   # scripts/gpu_smoke.sh
 
 One mini-batch of `--samples` sequences with log-normal lengths (max/median >= 8), padded into the
 engine layout (prompt width P + response width R = S). One "update" = `forward_backward_batch` +
-`optimizer_step` of the `small` tiny Qwen2 (~4M parameters) on a 1-rank gloo group.
+`optimizer_step` of the `small` tiny Qwen2 (~4M parameters) on a 1-rank group (gloo on CPU; on CUDA
+nccl, with the engine's CUDA defaults: bf16 compute, flash-attention varlen when installed).
 
 * static: `use_remove_padding=False`, `micro_batch_size_per_gpu = mbs` (`--micro-batch-size`):
   every micro-batch holds exactly `mbs * S` padded token slots;
@@ -20,7 +22,8 @@ Peak memory on CPU: there is no allocator high-water mark for CPU tensors, so ea
 own fresh subprocess, which records its resident set size right before the first update (model,
 optimizer and data already loaded) and the process's RSS high-water mark (`ru_maxrss`) after the
 last one; `*_peak_mem_mb` is the difference, i.e. the extra memory the updates needed at their peak
-(activations, gradients, optimizer moments, allocator slack).
+(activations, gradients, optimizer moments, allocator slack). On CUDA the same difference is read
+from the allocator: peak allocated bytes during the updates minus the bytes allocated before them.
 """
 
 from __future__ import annotations
@@ -58,6 +61,44 @@ def _rss_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def engine_setup(args, model_dir: str, seq_len: int):
+    """(EngineConfig, MicroBatchSpec) of this mode on `args.device`, both modes at the same token budget."""
+    from ballast.engine import EngineConfig, MicroBatchSpec, OptimConfig
+
+    dynamic = args.mode == "dynamic"
+    budget = args.micro_batch_size * seq_len
+    if dynamic:
+        spec = MicroBatchSpec(use_dynamic_bsz=True, max_token_len_per_gpu=budget)
+    else:
+        spec = MicroBatchSpec(micro_batch_size_per_gpu=args.micro_batch_size)
+    cfg = EngineConfig(model_path=model_dir, use_remove_padding=dynamic, device=args.device, optim=OptimConfig(lr=1e-5))
+    return cfg, spec
+
+
+class _PeakMemory:
+    """Extra memory the updates needed at their peak, in MiB: host RSS on CPU, the allocator on CUDA."""
+
+    def __init__(self, device: str) -> None:
+        import torch
+
+        self.cuda = torch.cuda if device == "cuda" else None
+        if self.cuda is not None:
+            self.cuda.synchronize()
+            self.cuda.reset_peak_memory_stats()
+            self.before = self.cuda.memory_allocated() / 2**20
+        else:
+            self.before = _rss_mb()
+
+    def sync(self) -> None:
+        if self.cuda is not None:  # kernels run asynchronously: time them to their end
+            self.cuda.synchronize()
+
+    def peak_mb(self) -> float:
+        if self.cuda is not None:
+            return self.cuda.max_memory_allocated() / 2**20 - self.before
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - self.before
+
+
 def run_mode(args) -> dict:
     """One mode in this process: engine setup, warm-up, timed updates, memory high-water mark."""
     import torch
@@ -67,7 +108,7 @@ def run_mode(args) -> dict:
 
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
-    from ballast.engine import EngineConfig, MicroBatchSpec, OptimConfig, TrainEngine, agg_loss
+    from ballast.engine import TrainEngine, agg_loss
     from testkit.engine import make_rl_batch
     from ballast.models import tiny_model_dir
 
@@ -80,27 +121,22 @@ def run_mode(args) -> dict:
     data = make_rl_batch(prompts, responses, vocab_size=500, seed=args.seed)
     seq_len = data["input_ids"].shape[1]
     real_tokens = int(data["attention_mask"].sum())
-    dynamic = args.mode == "dynamic"
-    budget = args.micro_batch_size * seq_len
-    if dynamic:
-        spec = MicroBatchSpec(use_dynamic_bsz=True, max_token_len_per_gpu=budget)
-    else:
-        spec = MicroBatchSpec(micro_batch_size_per_gpu=args.micro_batch_size)
-    cfg = EngineConfig(model_path=model_dir, use_remove_padding=dynamic, device="cpu", optim=OptimConfig(lr=1e-5))
+    cfg, spec = engine_setup(args, model_dir, seq_len)
     engine = TrainEngine(cfg)
     num_params = sum(p.numel() for p in engine.model.parameters())
-    rss_before = _rss_mb()
+    memory = _PeakMemory(args.device)
     times, metrics = [], {}
     for i in range(args.repeats + 1):
         start = time.perf_counter()
         metrics = engine.forward_backward_batch(data, loss_fn, engine.plan_micro_batches(data, spec))
         engine.optimizer_step()
+        memory.sync()
         if i > 0:  # the first update is the warm-up
             times.append(time.perf_counter() - start)
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     lengths = data["attention_mask"].sum(-1).float()
     return dict(
         mode=args.mode,
+        device=args.device,
         seconds_per_update=statistics.median(times),
         all_seconds=times,
         tokens_per_s=real_tokens / statistics.median(times),
@@ -110,11 +146,17 @@ def run_mode(args) -> dict:
         micro_batches=int(metrics["num_micro_batches"]),
         micro_batch_size=spec.micro_batch_size_per_gpu,
         max_token_len_per_gpu=spec.max_token_len_per_gpu,
-        peak_mem_mb=peak_rss - rss_before,
+        peak_mem_mb=memory.peak_mb(),
         num_params=num_params,
         length_median=float(lengths.median()),
         length_max=float(lengths.max()),
     )
+
+
+def _gpu_name():
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
 
 
 def main(argv=None) -> int:
@@ -129,6 +171,8 @@ def main(argv=None) -> int:
         help="static micro-batch size; the dynamic token budget is this times the padded length",
     )
     parser.add_argument("--preset", default="small", help="ballast.models tiny preset")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where the engine runs (cuda: the engine's GPU defaults, bf16 compute)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
@@ -156,6 +200,7 @@ def main(argv=None) -> int:
         "static_tokens_per_s": s["tokens_per_s"],
         "dynamic_tokens_per_s": d["tokens_per_s"],
         "speedup": d["tokens_per_s"] / s["tokens_per_s"],
+        "device": args.device,
         "static_peak_mem_mb": s["peak_mem_mb"],
         "dynamic_peak_mem_mb": d["peak_mem_mb"],
         "details": results,
@@ -166,6 +211,7 @@ def main(argv=None) -> int:
             "cpu_count": os.cpu_count(),
             "loadavg_1m": os.getloadavg()[0],
             "python": platform.python_version(),
+            "gpu": _gpu_name() if args.device == "cuda" else None,
         },
         "date": time.strftime("%Y-%m-%d"),
     }

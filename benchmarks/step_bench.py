@@ -48,7 +48,7 @@ QS = os.path.join(ROOT, ".cache", "quickstart")
 PHASES = {  # output name -> Ballast timing_s key
     "generate": "gen", "weight_sync": "update_weights", "reward": "reward", "balance": "balance",
     "old_log_prob": "old_log_prob",
-    "ref": "ref", "adv": "adv", "update": "update_actor",
+    "ref": "ref", "adv": "adv", "update": "update_actor", "rollout_corr": "rollout_corr",
 }
 
 

@@ -32,19 +32,25 @@ tempfile.tempdir = None
 
 import pytest  # noqa: E402
 
+# The suite fails if it leaves a process or a Ray session directory behind (see testkit/leaks.py).
+from testkit.leaks import pytest_sessionfinish, pytest_sessionstart  # noqa: E402,F401
+
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """One local Ray instance for every test that needs Ray (start-up costs seconds on 2 cores)."""
+    """One local Ray instance for every test that needs Ray (start-up costs seconds on 2 cores); its
+    session directory and every process of it are gone after the session, like a run's own Ray."""
     import ray
+
+    from ballast.trainer.run.ray_session import RaySession, ray_temp_root
 
     if ray.is_initialized():  # a test module that manages its own cluster shut it down or kept it
         ray.shutdown()
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
-             _temp_dir=tempfile.mkdtemp(prefix="ray_", dir="/tmp"),
+    temp_dir = tempfile.mkdtemp(prefix="ray_", dir=ray_temp_root())
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, _temp_dir=temp_dir,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     yield ray
-    ray.shutdown()
+    RaySession(connected=True, temp_dir=temp_dir).stop()
 
 
 @pytest.fixture(scope="session")

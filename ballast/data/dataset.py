@@ -24,6 +24,7 @@ from typing import Literal, get_args
 import numpy as np
 import torch
 
+from ballast.data.errors import SettingError
 from ballast.data.io import read_rows
 
 logger = logging.getLogger(__name__)
@@ -71,9 +72,9 @@ class RLDataset(torch.utils.data.Dataset):
         chat_template_kwargs: dict | None = None,
     ):
         if truncation not in TRUNCATION_MODES:
-            raise ValueError(f"truncation must be one of {TRUNCATION_MODES}, got {truncation!r}")
+            raise SettingError("truncation", f"truncation must be one of {TRUNCATION_MODES}, got {truncation!r}")
         if not isinstance(max_prompt_length, int) or max_prompt_length < 1:
-            raise ValueError(f"max_prompt_length must be a positive int, got {max_prompt_length!r}")
+            raise SettingError("max_prompt_length", f"max_prompt_length must be a positive int, got {max_prompt_length!r}")
         if getattr(tokenizer, "chat_template", None) is None:
             raise ValueError("the tokenizer has no chat template; prompts are chat messages and need one")
         paths = [files] if isinstance(files, (str, os.PathLike)) else list(files)

@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import torch
 
+from ballast.data.errors import SettingError
+
 
 class ResumableSampler(torch.utils.data.Sampler):
     """Sample indices of one epoch, starting at `start`; the epoch's order depends only on
@@ -146,7 +148,7 @@ class StatefulDataLoader:
 def check_loader_knobs(batch_size, num_workers, prefetch_factor, persistent_workers) -> None:
     """The loader's rules on its settings (the trainer also calls this at start-up, before reading data)."""
     if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        raise SettingError("batch_size", f"batch_size must be a positive int, got {batch_size!r}")
     if not isinstance(num_workers, int) or num_workers < 0:
         raise ValueError(f"data.dataloader_num_workers must be an int >= 0, got {num_workers!r}")
     if prefetch_factor is not None:

@@ -28,6 +28,16 @@ def resolve_device_type(device: str) -> str:
     return device
 
 
+def all_gather_single(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
+    """Gather every rank's `input` into `output` (rank-major along dim 0).
+
+    torch 2.13 renamed `all_gather_into_tensor` to `all_gather_single` and deprecated the old name;
+    the project supports torch >= 2.11, where only the old name exists. Looked up at each call.
+    """
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, input, group=group)
+
+
 def init_distributed(device_type: str, timeout_s: float = 1800.0) -> None:
     """Initialise the default process group from torchrun's environment (once per process).
 

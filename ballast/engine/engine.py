@@ -4,7 +4,9 @@ One call of `forward_backward_batch` processes one mini-batch (this rank's share
 
 1. preflight, collective over the DP group: check the layout and the caller's plan (the mini-batch's
    micro-batches on every DP rank, from `ballast.balance.plan_phase`: the engine never plans), agree
-   any error (MAX), and sum the loss tokens and sequences into a `GlobalNorm` (SUM);
+   any error (MAX), and sum the loss tokens and sequences into a `GlobalNorm` (SUM); a loss that
+   declares a `MiniBatchStatistic` gets its sums too (one more SUM; with `needs_outputs`, after a
+   forward-only pass over the micro-batches under the same weights);
 2. for every micro-batch: forward (padded, packed, or packed + Ulysses), `loss_fn(outputs, micro,
    norm)`, backward. The loss returned by `loss_fn` is the micro-batch's exact share of the mini-batch
    loss, so summing over micro-batches and DP ranks gives the mini-batch loss;
@@ -35,7 +37,7 @@ from ballast.engine.dist import (ParallelState, build_parallel_state, init_distr
                                  resolve_shard_size)
 from ballast.engine.gather import iter_gathered
 from ballast.engine.forward import ForwardOptions, forward_micro_batch
-from ballast.engine.losses import GlobalNorm
+from ballast.engine.losses import GlobalNorm, MiniBatchStatistic, mini_batch_statistic
 from ballast.engine.micro_batch import (
     agree_max,
     check_rank_plan,
@@ -209,6 +211,9 @@ class TrainEngine:
         opts = self._forward_options(temperature, calculate_entropy)
         module = self.model if forward_only else self.data_parallel.module
         module.train(not forward_only)
+        statistic = mini_batch_statistic(loss_fn)
+        if statistic is not None:
+            norm = norm.with_stats(self._statistic_sums(statistic, data, micro_batches, opts))
         # Accumulated on the device and read once at the end: no host sync per micro-batch.
         sums: dict[str, torch.Tensor] = {"loss": torch.zeros((), dtype=torch.float64, device=self.parallel.device)}
         backwards = 0 if forward_only else len(micro_batches)
@@ -229,6 +234,34 @@ class TrainEngine:
             num_sequences=float(norm.num_sequences),
         )
         return result
+
+    def _statistic_sums(self, statistic: MiniBatchStatistic, data: TensorDict, micro_batches: tuple,
+                        opts: ForwardOptions) -> dict[str, float]:
+        """The statistic's sums over the whole mini-batch: this rank's micro-batches (a forward-only
+        pass of the unwrapped model when it reads outputs: the weights the training forward will
+        use), then one SUM over the DP group. Collective."""
+        device = self.parallel.device
+        total = torch.zeros(len(statistic.keys), dtype=torch.float64, device=device)
+
+        def add(outputs, micro) -> None:
+            parts = statistic(outputs, micro)
+            total.add_(torch.stack([torch.as_tensor(p, device=device).to(torch.float64).reshape(()) for p in parts]))
+
+        with torch.no_grad():
+            if not statistic.needs_outputs:
+                if data.batch_size[0]:
+                    add(None, data.to(device))
+            else:
+                for rows in micro_batches:
+                    if not len(rows):  # FSDP2's per-micro-batch collectives stay in lockstep
+                        self._run_dummy(self.model, data["input_ids"].shape[1], data["responses"].shape[1], opts,
+                                        backward=False)
+                        continue
+                    micro = data[torch.as_tensor(rows, dtype=torch.int64)].to(device)
+                    add(forward_micro_batch(self.model, micro, opts, self.parallel), micro)
+        if self.parallel.dp_size > 1:
+            dist.all_reduce(total, group=self.parallel.dp_group)
+        return dict(zip(statistic.keys, total.tolist()))
 
     def _micro_step(self, data, rows, loss_fn, norm, opts, module, forward_only, sums) -> None:
         """Forward one micro-batch, its loss share and (unless forward-only) backward; sums the metrics."""

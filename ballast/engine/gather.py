@@ -3,10 +3,10 @@
 Weight sync (actor -> rollout engine) needs every parameter whole on every rank.
 `DTensor.full_tensor()` issues one all-gather per parameter; on CPU/gloo each is a network round
 trip, and a 30-layer model has ~270 of them. Here the local shards of consecutive parameters are
-packed into one flat buffer, gathered with a single `all_gather_single`, and cut back into full
-tensors. FSDP2 shards dim 0 in rank order with `ceil(dim0 / world)` rows per rank (the last ranks may
-hold fewer or none), so padding every local shard to that row count makes the gathered buffer, read
-rank by rank, exactly the padded full tensor.
+packed into one flat buffer, gathered with a single all-gather (`ballast.engine.dist.all_gather_single`),
+and cut back into full tensors. FSDP2 shards dim 0 in rank order with `ceil(dim0 / world)` rows per
+rank (the last ranks may hold fewer or none), so padding every local shard to that row count makes the
+gathered buffer, read rank by rank, exactly the padded full tensor.
 
 Hybrid sharding (a 2-D ("replicate", "shard") mesh, placements (Replicate(), Shard(0))) gathers over
 the shard dimension only: every replica already holds the whole tensor between its shard ranks. With
@@ -23,8 +23,9 @@ import math
 from collections.abc import Iterable, Iterator
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from ballast.engine.dist import all_gather_single
 
 # Full-tensor bytes per bucket: large enough that a small model is one collective, small enough
 # that the extra copy of a bucket stays a modest share of a large model's memory.
@@ -70,7 +71,7 @@ def _gather_bucket(items: list[tuple[str, DTensor]]) -> Iterator[tuple[str, torc
         flat[offset:offset + local.numel()].copy_(local)
         flat[offset + local.numel():offset + numel].zero_()
     gathered = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
-    dist.all_gather_single(gathered, flat, group=group)
+    all_gather_single(gathered, flat, group=group)
     per_rank = gathered.view(world, size)
     for name, tensor, offset, numel in layout:
         shape = tuple(tensor.shape)

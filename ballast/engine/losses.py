@@ -9,11 +9,17 @@ cut, provided the engine sums (not averages) gradients across ranks; see `ballas
 Notation for the whole mini-batch (all DP ranks): loss l[b, t], mask m[b, t] in {0, 1},
 N_tok = sum_{b,t} m[b, t] (global token count), N_seq = number of sequences (global),
 H = `loss_scale_factor` (defaults to the response width R).
+
+A loss that needs another mini-batch-global quantity (e.g. the mean of importance weights under the
+policy being trained) declares it as a `MiniBatchStatistic`: sums over rows, which the engine adds up
+over every micro-batch and DP rank before the first backward and hands to the loss in `norm.stats`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -32,6 +38,11 @@ class GlobalNorm:
     num_tokens: int
     num_sequences: int
     response_len: int
+    # Sums a loss asked for (`MiniBatchStatistic`), over the whole mini-batch; empty otherwise.
+    stats: Dict[str, float] = field(default_factory=dict, hash=False)
+
+    def with_stats(self, stats: Dict[str, float]) -> "GlobalNorm":
+        return dataclasses.replace(self, stats={k: float(v) for k, v in stats.items()})
 
     def __post_init__(self) -> None:
         if self.num_tokens < 0 or self.num_sequences < 0 or self.response_len < 0:
@@ -41,6 +52,28 @@ class GlobalNorm:
     def local(cls, mask: torch.Tensor) -> "GlobalNorm":
         """The normaliser of a single (B, R) mask seen as the whole mini-batch (single process)."""
         return cls(num_tokens=int(mask.sum()), num_sequences=int(mask.shape[0]), response_len=int(mask.shape[-1]))
+
+
+@runtime_checkable
+class MiniBatchStatistic(Protocol):
+    """Sums over rows that a loss needs over its whole mini-batch (every micro-batch, every DP rank).
+
+    `__call__(outputs, micro)` returns one 0-dim tensor per name in `keys`: this micro-batch's part,
+    additive over any split of the rows. With `needs_outputs` the engine runs a forward-only pass over
+    the mini-batch's micro-batches first (the policy being trained: its outputs are the ones the
+    training forward will produce) and passes each micro-batch's `outputs`; otherwise `outputs` is
+    None and `micro` may hold all of this rank's rows at once.
+    """
+
+    keys: Sequence[str]
+    needs_outputs: bool
+
+    def __call__(self, outputs: Optional[dict], micro) -> Sequence[torch.Tensor]: ...
+
+
+def mini_batch_statistic(loss_fn) -> Optional[MiniBatchStatistic]:
+    """The statistic a loss callable declares in its `mini_batch_statistic` attribute, or None."""
+    return getattr(loss_fn, "mini_batch_statistic", None)
 
 
 def agg_loss(

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ballast.engine.dist import all_gather_single
+
 
 def pad_to_multiple(x: torch.Tensor, multiple: int, dim: int = 0, value: float = 0) -> tuple[torch.Tensor, int]:
     """Pad `x` along `dim` up to a multiple of `multiple`; returns (padded, number of pad entries)."""
@@ -103,17 +105,13 @@ def repeat_kv_for_sp(kv: torch.Tensor, num_q_heads: int, sp: int) -> torch.Tenso
     return kv.repeat_interleave(num_q_heads // h_kv, dim=1)
 
 
-# torch >= 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
 class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         sp = dist.get_world_size(group)
         ctx.rank, ctx.local = dist.get_rank(group), x.shape[0]
         out = x.new_empty((sp * x.shape[0], *x.shape[1:]))
-        _all_gather_single(out, x.contiguous(), group=group)
+        all_gather_single(out, x.contiguous(), group=group)
         return out
 
     @staticmethod

@@ -1,14 +1,19 @@
 """Command-line entry point: `python -m ballast.trainer.main [hydra overrides]` (or `ballast-train`).
 
-Hydra composes `configs/ppo_trainer.yaml` (or `--config-name quickstart`) with verl-style overrides;
-the result is validated once into a frozen config plus derived sizes before any worker starts.
-`--cfg job` prints the composed config without running.
+Hydra composes `configs/ppo_trainer.yaml` (or `--config-name quickstart`) with verl-style overrides.
+Before Ray starts, `prepare` loads it into the frozen typed config, reads the model's config, the
+data and the reward function, and plans the run (`plan_run`: the start-up check, which builds the
+derived sizes and every worker spec once); `training_session` then starts Ray and constructs the
+workers from that plan. `--cfg job` prints the composed config without running.
 
 A failed run ends with one line on stderr saying why and an exit code a scheduler can act on:
 0 done, 2 bad config, input or environment (config, data, model files, tokenizer, reward function,
-a run directory in use or holding another run, a damaged checkpoint, a full disk), 3 a worker died,
-timed out or raised, 4 too many non-finite steps in a row, 5 the Ray cluster did not answer or could
-not place the workers, 130 Ctrl-C, 143 SIGTERM, 1 anything else (with its traceback).
+a run directory that is unusable, in use or holding another run, a damaged checkpoint, a full disk),
+3 a worker died, timed out or raised, 4 a guard of the training loop stopped it (too many non-finite
+steps in a row, dynamic sampling that cannot fill a batch), 5 the Ray cluster did not answer or could
+not place the workers, or a local Ray did not start, 130 Ctrl-C, 143 SIGTERM, 1 anything else (with
+its traceback). Once a run is stopping, further signals cannot cut its cleanup short (see
+`ballast.trainer.run.signals`); docs/reliability.md lists what each case looks like.
 """
 
 from __future__ import annotations
@@ -18,20 +23,25 @@ import dataclasses
 import json
 import os
 import random
-import shutil
-import socket
 import sys
-import time
-from typing import Optional, Tuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional, Tuple
 
 import hydra
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from ballast.models.weights_check import ModelFilesError, check_model_files
-from ballast.trainer import signals
-from ballast.trainer.config import BallastConfig, ConfigError, ModelInfo, check_config, to_typed
+from ballast.trainer.run import signals
+from ballast.trainer.config import BallastConfig, ConfigError, ModelInfo, to_typed, uses_critic
 from ballast.trainer.config.gpu_memory import check_rollout_gpu_memory_at_start
+from ballast.trainer.run.ray_session import RaySession, RayUnavailableError, probe_ray_address, start_ray  # noqa: F401
+
+if TYPE_CHECKING:  # they load torch; the command line imports them once it runs
+    from ballast.trainer.run.checkpoints import ResumePoint
+    from ballast.trainer.run.data import RunData
+    from ballast.trainer.step.reward import RewardManager
+    from ballast.trainer.run.run_plan import RunPlan
 
 EXIT_BAD_INPUT = 2
 EXIT_WORKER_FAILED = 3
@@ -42,10 +52,6 @@ WORKERS_FILE = "workers.json"  # rank -> pid, node id and IP of every worker of 
 
 class InputError(ConfigError):
     """Input the config points at (data, tokenizer, reward function) is unusable; found before any worker starts."""
-
-
-class RayUnavailableError(RuntimeError):
-    """Nothing answered at `ray_init.address` within `ray_init.timeout_s`."""
 
 
 def absolute_paths(cfg: BallastConfig) -> BallastConfig:
@@ -67,22 +73,74 @@ def absolute_paths(cfg: BallastConfig) -> BallastConfig:
                                custom_reward_function=custom)
 
 
-def prepare(raw: DictConfig):
-    """Typed config (absolute paths) + derived sizes, or a `ConfigError` naming what is wrong."""
+@dataclass(frozen=True)
+class PreparedRun:
+    """A run checked and read before Ray starts: its config (absolute paths), plan, data and reward."""
+
+    cfg: BallastConfig
+    plan: "RunPlan"
+    data: "RunData"
+    reward: "RewardManager"
+
+
+def prepare(raw: DictConfig) -> PreparedRun:
+    """The run `raw` describes, or a `ConfigError` (`InputError` for its files) naming what is wrong."""
     return prepare_typed(to_typed(raw))
 
 
-def prepare_typed(cfg: BallastConfig):
+def prepare_typed(cfg: BallastConfig) -> PreparedRun:
+    """Model files, then the data (it decides the step count the plan needs), then the plan, the
+    rollout backend and the reward function; all before Ray starts."""
+    from ballast.trainer.run.builders import overlong_buffer
+    from ballast.trainer.step.reward import RewardManager
+    from ballast.trainer.run.run_plan import plan_run
+
     cfg = absolute_paths(cfg)
     model = ModelInfo.from_dir(cfg.actor_rollout_ref.model.path)
-    sizes = check_config(cfg, model)
+    _check_model_files(cfg)
+    tokenizer, data = read_data(cfg)
+    plan = plan_run(cfg, model, data.total_steps)
+    _check_rollout_backend(cfg)
+    try:
+        reward = RewardManager.from_config(tokenizer, cfg.custom_reward_function.path, cfg.custom_reward_function.name,
+                                           cfg.data.reward_fn_key, overlong_buffer(cfg), cfg.reward.timeout_s,
+                                           str(cfg.reward_model.reward_manager))
+    except (ValueError, OSError, ImportError) as err:  # the messages name the file and the function
+        raise InputError(str(err)) from err
+    return PreparedRun(cfg=cfg, plan=plan, data=data, reward=reward)
+
+
+def read_data(cfg: BallastConfig):
+    """(tokenizer, `RunData`): the driver's random generators seeded, then the prompts read and tokenized."""
+    import torch
+
+    from ballast.models import load_tokenizer
+    from ballast.trainer.run.data import RunData
+
+    random.seed(cfg.trainer.seed)
+    np.random.seed(cfg.trainer.seed)
+    torch.manual_seed(cfg.trainer.seed)
+    arr = cfg.actor_rollout_ref
+    try:
+        tokenizer = load_tokenizer(arr.model.tokenizer_path or arr.model.path)
+        return tokenizer, RunData(cfg, tokenizer)
+    except ConfigError:
+        raise  # a setting the dataset or loader refused, named by its key
+    except (ValueError, OSError, ImportError) as err:  # the messages name the file, row or path
+        raise InputError(str(err)) from err
+
+
+def _check_model_files(cfg: BallastConfig) -> None:
     for key, path in (("actor_rollout_ref.model.path", cfg.actor_rollout_ref.model.path),
-                      ("critic.model.path", cfg.critic.model.path if sizes.use_critic else None)):
+                      ("critic.model.path", cfg.critic.model.path if uses_critic(cfg) else None)):
         if path and os.path.isdir(path):
             try:
                 check_model_files(path)
             except ModelFilesError as err:
                 raise InputError(f"{key}: {err}") from None
+
+
+def _check_rollout_backend(cfg: BallastConfig) -> None:
     if cfg.actor_rollout_ref.rollout.name == "vllm":
         try:
             import vllm  # noqa: F401
@@ -92,65 +150,66 @@ def prepare_typed(cfg: BallastConfig):
                 "run scripts/setup.sh or use actor_rollout_ref.rollout.name=hf"
             ) from err
         check_rollout_gpu_memory_at_start(cfg)
-    return cfg, sizes
 
 
 @contextlib.contextmanager
-def training_session(cfg: BallastConfig, sizes, raw_config: Optional[dict] = None):
-    """Data, Ray, workers and trackers for one run; yields the `RayPPOTrainer` and cleans up after."""
-    import ray
-    import torch
+def training_session(prepared: PreparedRun, raw_config: Optional[dict] = None,
+                     resume: Optional[ResumePoint] = None):
+    """Ray, workers and trackers for one prepared run; yields the `RayPPOTrainer`, already at `resume`
+    (default: `trainer.resume_mode` resolved here, without the run-directory checks of the command
+    line), and cleans up after (`shutdown`), however the block ends."""
     from tqdm import tqdm
 
-    from ballast.models import load_tokenizer
-    from ballast.trainer.builders import overlong_buffer, worker_specs
-    from ballast.trainer.data_setup import RunData
+    from ballast.trainer.run.preflight import resume_point
     from ballast.trainer.ray_trainer import RayPPOTrainer
-    from ballast.trainer.reward import RewardManager
-    from ballast.trainer.roles import create_workers
-    from ballast.trainer.tracking import Tracker
+    from ballast.trainer.run.workers import create_workers
+    from ballast.trainer.run.tracking import Tracker
 
-    seed = cfg.trainer.seed
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    arr = cfg.actor_rollout_ref
+    cfg, plan = prepared.cfg, prepared.plan
+    ray_session = tracker = workers = ended_by = None
     try:
-        tokenizer = load_tokenizer(arr.model.tokenizer_path or arr.model.path)
-        data = RunData(cfg, tokenizer)
-        reward = RewardManager.from_config(tokenizer, cfg.custom_reward_function.path,
-                                           cfg.custom_reward_function.name, cfg.data.reward_fn_key,
-                                           overlong_buffer(cfg), cfg.reward.timeout_s,
-                                           cfg.reward_model.reward_manager)
-    except (ValueError, OSError, ImportError) as err:  # the messages name the file, row or path
-        raise InputError(str(err)) from err
-    # Built again now that the step count is known (the optimizer schedule depends on it), before Ray starts.
-    specs = worker_specs(cfg, sizes, data.total_steps)
-    ray_dir = start_ray(cfg)
-    owns_ray = ray_dir is not None
-    signals.reinstall()  # ray.init replaced the command line's handlers
-    workers = None
-    tracker = Tracker(cfg.trainer.logger, cfg.trainer.project_name, cfg.trainer.experiment_name,
-                      cfg.trainer.default_local_dir, config=raw_config, console=tqdm.write)
-    try:
-        print("ballast: derived sizes\n  " + "\n  ".join(sizes.summary()), flush=True)
-        workers = create_workers(cfg, sizes, specs)
+        ray_session = start_ray(cfg)
+        signals.reinstall()  # ray.init replaced the command line's handlers
+        tracker = Tracker(cfg.trainer.logger, cfg.trainer.project_name, cfg.trainer.experiment_name,
+                          cfg.trainer.default_local_dir, config=raw_config, console=tqdm.write)
+        print("ballast: derived sizes\n  " + "\n  ".join(plan.sizes.summary()), flush=True)
+        workers = create_workers(cfg, plan.sizes, plan.specs)
         record_workers(workers, cfg.trainer.default_local_dir)
-        with open(os.path.join(arr.model.path, "config.json")) as f:
+        with open(os.path.join(cfg.actor_rollout_ref.model.path, "config.json")) as f:
             model_config = json.load(f)
-        yield RayPPOTrainer(cfg, sizes, data, workers, reward, tracker, model_config)
+        trainer = RayPPOTrainer(cfg, plan.sizes, prepared.data, workers, prepared.reward, tracker, model_config)
+        trainer.resume(resume if resume is not None else resume_point(cfg.trainer))
+        yield trainer
+    except BaseException as err:
+        ended_by = err
+        raise
     finally:
-        tracker.finish()
-        if workers is not None:
-            workers.shutdown()
-        if owns_ray:
-            ray.shutdown()
-            remove_ray_dir(ray_dir)
+        shutdown(ended_by, tracker, workers, ray_session)
 
 
-def run(cfg: BallastConfig, sizes, raw_config: Optional[dict] = None) -> dict:
-    """Train; returns the last step's metrics."""
-    with training_session(cfg, sizes, raw_config) as trainer:
+def shutdown(err: Optional[BaseException], tracker, workers, ray_session: Optional[RaySession]) -> None:
+    """Finish the trackers, stop the workers and Ray (for a local Ray: every process of it, and its
+    directory), each step even when an earlier one fails. No signal can cut it short; past
+    `signals.SHUTDOWN_DEADLINE_S` what the run started is killed (and the command line exits with the
+    code that `err`, the error that ended the run, earns)."""
+    code, line = outcome(err)
+    kill = ray_session.kill_now if ray_session is not None else (lambda: None)
+    with signals.shutdown_deadline(signals.SHUTDOWN_DEADLINE_S, kill, code, line):
+        try:
+            if tracker is not None:
+                tracker.finish()
+        finally:
+            try:
+                if workers is not None:
+                    workers.shutdown()
+            finally:
+                if ray_session is not None:
+                    ray_session.stop()
+
+
+def run(prepared: PreparedRun, raw_config: Optional[dict] = None, resume: Optional[ResumePoint] = None) -> dict:
+    """Train from `resume` (see `training_session`); returns the last step's metrics."""
+    with training_session(prepared, raw_config, resume) as trainer:
         return trainer.fit()
 
 
@@ -169,93 +228,13 @@ def record_workers(workers, run_dir: str) -> list:
     return placed
 
 
-def start_ray(cfg: BallastConfig) -> Optional[str]:
-    """Connect to `ray_init.address` or start a local instance; None if Ray was already initialized,
-    else the temp directory this call's Ray session uses ("" when joining a cluster, whose session
-    directory belongs to the cluster).
-
-    Ray's own token authentication is left on (Ray's default for a new local instance): a local
-    Ray's gRPC ports listen on every interface, and without the token anyone who can reach them can
-    run code. Tests and the quickstart opt out with RAY_AUTH_MODE=disabled.
-    """
-    import logging
-    import tempfile
-
-    import ray
-
-    from ballast.trainer.tracking import verbose_output
-
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    # Worker output goes to the run directory's log files unless BALLAST_VERBOSE asks for it here.
-    quiet = dict(log_to_driver=verbose_output(), logging_level=logging.INFO if verbose_output() else logging.WARNING)
-    r = cfg.ray_init
-    if r.address:
-        probe_ray_address(r.address, r.timeout_s)
-    if ray.is_initialized():
-        return None
-    if r.address:
-        ray.init(address=r.address, **quiet)
-        return ""
-    world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
-    num_cpus = r.num_cpus or max(os.cpu_count() or 1, world)
-    temp_dir = tempfile.mkdtemp(prefix="ray_", dir="/tmp")
-    print(f"ballast: local Ray session in {temp_dir} (removed at exit)", flush=True)
-    # address="local": always a fresh instance, even when RAY_ADDRESS is set by a parent process.
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, dashboard_host=r.dashboard_host,
-             _temp_dir=temp_dir, **quiet)
-    return temp_dir
-
-
-def remove_ray_dir(temp_dir: Optional[str]) -> None:
-    """Delete the session directory of a local Ray this run started (logs, sockets: 1-2 MB a run).
-    Only a directory `start_ray` made, never a cluster's; Ray's processes are gone after shutdown."""
-    if temp_dir and os.path.basename(temp_dir).startswith("ray_") and os.path.dirname(temp_dir) == "/tmp":
-        shutil.rmtree(temp_dir, ignore_errors=True)
-
-
-def _host_port(address: str) -> Tuple[str, int]:
-    target = address.split("://", 1)[-1].rstrip("/")
-    host, sep, port = target.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ConfigError(f"ray_init.address={address!r} must be 'auto', host:port or ray://host:port")
-    return host.strip("[]"), int(port)
-
-
-def probe_ray_address(address: str, timeout_s: float) -> None:
-    """Fail within `timeout_s`, naming the address, when nothing listens there.
-
-    `ray.init(address=...)` on an address where nothing answers keeps retrying for minutes; a TCP
-    connect to the GCS port tells the same thing in milliseconds (or after `timeout_s` when a
-    firewall drops the packets).
-    """
-    if address == "auto":
-        address = os.environ.get("RAY_ADDRESS", "")
-        if not address:
-            return  # Ray resolves "auto" from this machine's session file and fails at once if there is none
-    host, port = _host_port(address)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        remaining = deadline - time.monotonic()
-        try:
-            with socket.create_connection((host, port), timeout=max(0.1, min(remaining, 5.0))):
-                return
-        except OSError as err:
-            if time.monotonic() + 0.5 >= deadline:
-                raise RayUnavailableError(
-                    f"ray_init.address={address!r}: nothing answered at {host}:{port} within {timeout_s:g}s "
-                    f"(ray_init.timeout_s) ({err.strerror or type(err).__name__}); start the head with "
-                    "scripts/ray_cluster.sh head, or fix the address"
-                ) from None
-            time.sleep(0.5)
-
-
 def failure(err: BaseException) -> Tuple[int, str]:
     """The exit code and one-line reason for an error that ends a run."""
     from ballast.single_controller import PlacementError, WorkerError
-    from ballast.trainer.checkpointing import CheckpointError
-    from ballast.trainer.ray_trainer import NonFiniteStepsError
-    from ballast.trainer.reward import RewardFunctionError
-    from ballast.trainer.run_dir import RunDirError
+    from ballast.trainer.run.checkpoints import CheckpointError
+    from ballast.trainer.ray_trainer import DynamicSamplingError, NonFiniteStepsError
+    from ballast.trainer.step.reward import RewardFunctionError
+    from ballast.trainer.run.run_dir import RunDirError
 
     lines = [line.strip() for line in str(err).splitlines() if line.strip()] or [type(err).__name__]
     if isinstance(err, ConfigError):
@@ -273,7 +252,7 @@ def failure(err: BaseException) -> Tuple[int, str]:
         # a remote exception: its first line names group, method and rank, its last line the error
         reason = f"{lines[0]} {lines[-1]}" if _is_remote_exception(err) and len(lines) > 1 else lines[0]
         return EXIT_WORKER_FAILED, f"worker failure: {reason}"
-    if isinstance(err, NonFiniteStepsError):
+    if isinstance(err, (NonFiniteStepsError, DynamicSamplingError)):  # a guard of the training loop stopped it
         return EXIT_NONFINITE, f"training stopped: {lines[0]}"
     if isinstance(err, (RayUnavailableError, PlacementError)):
         return EXIT_RAY_UNAVAILABLE, f"ray cluster: {lines[0]}"
@@ -294,36 +273,34 @@ def _is_remote_exception(err: BaseException) -> bool:
     return type(err) is WorkerError
 
 
+def outcome(err: Optional[BaseException]) -> Tuple[int, str]:
+    """The exit code and last line (without `ballast: `) of a run that `err` ended; (0, "") for none."""
+    if err is None:
+        return 0, ""
+    if isinstance(err, KeyboardInterrupt):  # Ctrl-C, or SIGTERM (signals.Terminated, or Ray's re-raise of it)
+        if signals.was_terminated(err):
+            return signals.EXIT_TERMINATED, "terminated"
+        return signals.EXIT_INTERRUPTED, "interrupted"
+    return failure(err)
+
+
 def cli_run(raw: DictConfig, exiting: bool = False) -> int:
     """Validate and run one composed config; returns the process exit code (see the module docstring).
-    `exiting`: the process exits right after (the command line): late signals are ignored."""
-    from ballast.trainer.preflight import claim_run_dir
+    `exiting`: the process exits right after (the command line): late signals are ignored, and a
+    shutdown stuck past its deadline ends the process."""
+    from ballast.trainer.run.preflight import claim_run_dir
 
     lock = None
-    signals.install(save_first=bool(OmegaConf.select(raw, "trainer.save_on_signal", default=False)))
+    signals.install(save_first=bool(OmegaConf.select(raw, "trainer.save_on_signal", default=False)), exiting=exiting)
     try:
-        cfg, sizes = prepare(raw)
-        cfg, lock = claim_run_dir(cfg)
-        run(cfg, sizes, OmegaConf.to_container(raw, resolve=True))
+        prepared = prepare(raw)
+        point, lock = claim_run_dir(prepared.cfg)
+        run(prepared, OmegaConf.to_container(raw, resolve=True), point)
         return 0
-    except KeyboardInterrupt as err:  # Ctrl-C, or SIGTERM (signals.Terminated, or Ray's re-raise of it)
-        if signals.was_terminated(err):
-            print("ballast: terminated", file=sys.stderr, flush=True)
-            return signals.EXIT_TERMINATED
-        print("ballast: interrupted", file=sys.stderr, flush=True)
-        return 130
-    except Exception as err:
-        code, reason = failure(err)
-        if code == 1:
-            import traceback
-
-            traceback.print_exc()
-        elif _is_remote_exception(err):
-            print(str(err), file=sys.stderr)  # the worker's traceback, for debugging
-        elif _user_cause(err) is not None:
-            import traceback
-
-            traceback.print_exception(_user_cause(err), file=sys.stderr)  # the reward function's own traceback
+    except (KeyboardInterrupt, Exception) as err:
+        signals.begin_shutdown()  # the outcome is decided: a signal from here on is only noted
+        code, reason = outcome(err)
+        _print_details(err, code)
         print(f"ballast: {reason}", file=sys.stderr, flush=True)
         return code
     finally:
@@ -332,9 +309,24 @@ def cli_run(raw: DictConfig, exiting: bool = False) -> int:
             lock.release()
 
 
+def _print_details(err: BaseException, code: int) -> None:
+    """What goes above the last line: a traceback for an unexpected error, the worker's traceback for a
+    remote one, the user's own for a failing reward function."""
+    import traceback
+
+    if isinstance(err, KeyboardInterrupt):
+        return
+    if code == 1:
+        traceback.print_exception(err, file=sys.stderr)
+    elif _is_remote_exception(err):
+        print(str(err), file=sys.stderr)
+    elif _user_cause(err) is not None:
+        traceback.print_exception(_user_cause(err), file=sys.stderr)
+
+
 def _user_cause(err: BaseException) -> Optional[BaseException]:
     """The exception a user's reward function raised, when that is what ended the run."""
-    from ballast.trainer.reward import RewardFunctionError
+    from ballast.trainer.step.reward import RewardFunctionError
 
     return err.__cause__ if isinstance(err, RewardFunctionError) else None
 

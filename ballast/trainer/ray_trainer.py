@@ -18,9 +18,10 @@ What this driver leaves out of verl's `RayPPOTrainer.fit`, and why:
    known at start-up (`DerivedSizes`), so a bad combination fails before any worker starts.
 3. Rule rewards on the driver. No reward-model worker and no ReMax baseline generation: each is a
    branch of verl's loop that Ballast's batch-path guarantees would have to be re-proven for.
-4. Old log-probs come from the actor, never from the rollout engine (verl's bypass mode). The
-   rollout's own log-probs, when requested, only feed a metric that checks weight sync
-   (`training/rollout_actor_log_prob_diff`).
+4. Old log-probs come from the actor, unless rollout correction's bypass mode takes the rollout
+   engine's (`ballast.trainer.step.rollout_correction`). The rollout's own log-probs, when
+   requested, feed the mismatch metrics (`rollout_corr/*`, `training/rollout_actor_log_prob_diff`)
+   and the correction.
 5. No profiler hooks, rollout dumps or preemption handling in the loop: checkpoints at `save_freq`
    and at the last step, and `resume_mode=auto`, cover restarts.
 """
@@ -40,25 +41,26 @@ from ballast.balance import FlopsModel, PhasePlan, balance_metrics, workload_cos
 from ballast.protocol import Batch
 from ballast.trainer.algorithms import get_adv_estimator, kl_penalty, make_kl_controller, masked_mean
 from ballast.trainer.algorithms.policy_loss import actor_constant_metrics
-from ballast.trainer.builders import actor_loss_config
-from ballast.trainer.charts import per_rank_tokens
-from ballast.trainer.checkpointing import CheckpointManager, rng_state, set_rng_state
+from ballast.trainer.run.builders import actor_loss_config
+from ballast.trainer.step.charts import per_rank_tokens
+from ballast.trainer.run.checkpoints import CheckpointManager, ResumePoint, rng_state, set_rng_state
 from ballast.trainer.config import BallastConfig, DerivedSizes
-from ballast.trainer.data_setup import DataExhausted, RunData
-from ballast.trainer.dynamic_sampling import DynamicSamplingError, GroupCollector  # noqa: F401 (re-exported)
-from ballast.trainer.metrics import data_metrics, rollout_probs_diff_metrics, throughput_metrics, timing_metrics
-from ballast.trainer.monitor import BalanceMonitor, micro_batch_metrics, rank_load_metrics
-from ballast.trainer.old_log_probs import OldLogProbPhase, old_log_prob_metrics
-from ballast.trainer.step_plans import StepPlanner, epoch_partitions, plan_metrics, row_lengths
+from ballast.trainer.run.data import DataExhausted, RunData
+from ballast.trainer.step.dynamic_sampling import DynamicSamplingError, GroupCollector  # noqa: F401 (re-exported)
+from ballast.trainer.step.metrics import data_metrics, rollout_probs_diff_metrics, throughput_metrics, timing_metrics
+from ballast.trainer.step.monitor import BalanceMonitor, micro_batch_metrics, rank_load_metrics
+from ballast.trainer.step.old_log_probs import OldLogProbPhase, old_log_prob_metrics
+from ballast.trainer.step.plans import StepPlanner, epoch_partitions, plan_metrics, row_lengths
 from ballast.workers.actor_rollout_ref import UPDATE_WEIGHTS_METRIC
 from ballast.workers.agent_loop.metrics import agent_metrics
 from ballast.workers.rollout.base import validation_call_index
 from ballast.workers.on_policy import OldLogProbMode
-from ballast.trainer.reward import RewardManager
-from ballast.trainer.roles import Workers
-from ballast.trainer.tracking import Tracker, format_validation, progress_postfix
-from ballast.trainer.val_metrics import validation_metrics
-from ballast.trainer import signals
+from ballast.trainer.step.reward import RewardManager
+from ballast.trainer.run.workers import Workers
+from ballast.trainer.run.tracking import Tracker, format_validation, progress_postfix
+from ballast.trainer.step.val_metrics import validation_metrics
+from ballast.trainer.run import signals
+from ballast.trainer.step.rollout_correction import RolloutCorrectionPhase, rollout_correction_settings
 
 
 # Rollout call indices (sampling seeds) of the extra generation batches of dynamic sampling.
@@ -81,19 +83,19 @@ class RayPPOTrainer:
         self.workload = FlopsModel.from_hf_config(model_config) if workload == "flops" else workload
         self.total_steps = data.total_steps
         self.actor_loss_cfg = actor_loss_config(cfg)
-        self.old_log_probs = OldLogProbPhase(cfg, sizes)
+        self.correction = RolloutCorrectionPhase(rollout_correction_settings(cfg))
+        self.old_log_probs = OldLogProbPhase(cfg, sizes, self.correction.corr)
         self.global_step = 0
         self._nonfinite_in_a_row = 0
         self._pending_metrics: Dict[str, float] = {}  # measured after a step's row was logged
         self._weight_sync_s = 0.0
         self.monitor = BalanceMonitor(tracker, self.total_steps, cfg.trainer.enable_monitor,
                                       cfg.trainer.monitor_interval, sizes.actor.token_budget(sizes.actor.train))
-        self._resumed_from: Optional[str] = None
-        self._resume_checked = False
+        self.resumed_from: Optional[str] = None  # the checkpoint `resume` loaded
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> Dict[str, float]:
-        self.resume()
+        """Train from `global_step` (0, or where `resume` left it) to the last step."""
         self.tracker.rewind(self.global_step)
         t = self.cfg.trainer
         last: Dict[str, float] = {}
@@ -152,8 +154,9 @@ class RayPPOTrainer:
             plans = StepPlanner(self.cfg, self.sizes, self.workload, batch, self.global_step, self.workers.objectives)
             with _timer(timing, "balance"):
                 actor_plan = plans.update("actor") if updates_actor else None
-                separate_pass = self.old_log_probs.before_update or actor_plan is None
+                separate_pass = self.old_log_probs.runs_pass(updates_actor)
                 metrics.update(self.dp_split_metrics(batch, plans.inference("actor") if separate_pass else actor_plan))
+            self.correction.before_old_log_probs(batch)
             if separate_pass:
                 with _timer(timing, "old_log_prob"):
                     metrics.update(self.old_log_probs.run_pass(self.workers.actor_rollout, batch, plans.inference("actor")))
@@ -163,6 +166,8 @@ class RayPPOTrainer:
             if self.sizes.use_critic:
                 with _timer(timing, "values"):
                     self.infer(batch, self.workers.critic.compute_values, plans.inference("critic"))
+            with _timer(timing, "rollout_corr"):
+                metrics.update(self.correction.before_advantages(batch))
             with _timer(timing, "adv"):
                 metrics.update(self.compute_advantages(batch))
             if self.sizes.use_critic:
@@ -170,15 +175,20 @@ class RayPPOTrainer:
                     critic_plan = plans.update("critic")
                     result = self.workers.critic.update_critic(batch[critic_plan.rows], critic_plan)[0]
                     metrics.update(result.metrics, **plan_metrics(critic_plan, "critic"))
+            results = None
             if updates_actor:
                 with _timer(timing, "update_actor"):
-                    metrics.update(self.update_actor(batch, actor_plan, plans, separate_pass))
-        metrics.update(old_log_prob_metrics(batch))
+                    actor_metrics, results = self.update_actor(batch, actor_plan, plans, separate_pass)
+                    metrics.update(actor_metrics)
+            with _timer(timing, "rollout_corr"):
+                metrics.update(self.correction.after_update(batch, actor_plan, results))
+        actor_key = "train_log_probs" if self.correction.bypass else "old_log_probs"
+        metrics.update(old_log_prob_metrics(batch, self.actor_loss_cfg, actor_key))
         metrics.update(data_metrics(batch, self.cfg.data.max_response_length, self.sizes.use_critic))
         metrics.update(agent_metrics(batch.non_tensors))  # rollout.mode=async: turns, tools, stop reasons
         self.monitor.report(step)
         metrics.update(timing_metrics(batch, timing))
-        metrics.update(rollout_probs_diff_metrics(batch))
+        metrics.update(rollout_probs_diff_metrics(batch, actor_key))
         metrics.update(throughput_metrics(batch, timing["step"], self.workers.world_size))
         metrics["training/global_step"] = float(step)
         metrics["training/epoch"] = float(self.data.epoch)
@@ -267,13 +277,13 @@ class RayPPOTrainer:
         batch["advantages"], batch["returns"] = adv, returns
         return metrics
 
-    def update_actor(self, batch: Batch, plan: PhasePlan, plans: StepPlanner, separate_pass: bool) -> Dict[str, float]:
-        """The actor update on `batch[plan.rows]`; without a separate pass, the old log-probs and
-        entropies the update computed are written into `batch`."""
+    def update_actor(self, batch: Batch, plan: PhasePlan, plans: StepPlanner, separate_pass: bool):
+        """The actor update on `batch[plan.rows]`: (metrics, every DP rank's `UpdateResult`). When the
+        update computed the old log-probs, they and their entropies are written into `batch`."""
         mode = OldLogProbMode.PASS if separate_pass else self.old_log_probs.mode
-        rest = None if separate_pass else plans.after_first_mini_batch(plan)
+        rest = plans.after_first_mini_batch(plan) if mode.from_update else None
         results = self.workers.actor_rollout.update_actor(batch[plan.rows], plan, mode, rest)
-        if not separate_pass:
+        if mode.from_update:
             self.old_log_probs.take_from_update(batch, results, plan)
         metrics = dict(results[0].metrics)
         metrics.update(plan_metrics(plan, "actor"))
@@ -292,7 +302,7 @@ class RayPPOTrainer:
         else:
             self._nonfinite_in_a_row = 0
         metrics["perf/num_micro_batches"] = metrics.pop("actor/num_micro_batches", float("nan"))
-        return metrics
+        return metrics, results
 
     def validate(self) -> Dict[str, float]:
         """Answer every validation prompt `val_kwargs.n` times; verl's val-core/val-aux metrics per data
@@ -336,34 +346,24 @@ class RayPPOTrainer:
                  "nonfinite_in_a_row": self._nonfinite_in_a_row}
         return self.ckpt.save(self.global_step, save_workers, state)
 
-    def resume(self) -> Optional[str]:
-        """Load the checkpoint `trainer.resume_mode` points at (once); returns its path or None."""
-        if self._resume_checked:
-            return self._resumed_from
-        self._resume_checked = True
-        t = self.cfg.trainer
-        if t.resume_mode == "disable":
+    def resume(self, point: ResumePoint) -> Optional[str]:
+        """Load `point` (resolved and verified before Ray started, see `ballast.trainer.run.preflight`): the
+        workers' state and the driver's. Returns the checkpoint loaded, None for a fresh start."""
+        if point.fresh:
             return None
-        if t.resume_mode == "auto":
-            path = self.ckpt.latest()
-        elif t.resume_mode == "resume_path":
-            path = t.resume_from_path
-        else:
-            path = t.resume_mode
-        if path is None:
-            return None
-        state = CheckpointManager.read_state(path)
-        self.workers.actor_rollout.load_checkpoint(path)
+        state = CheckpointManager.read_state(point.checkpoint)
+        assert int(state["global_step"]) == point.step, (point, state["global_step"])  # resolved from this file
+        self.workers.actor_rollout.load_checkpoint(point.checkpoint)
         if self.workers.critic is not None:
-            self.workers.critic.load_checkpoint(path)
-        self.global_step = int(state["global_step"])
+            self.workers.critic.load_checkpoint(point.checkpoint)
+        self.global_step = point.step
         self.data.load_state_dict(state["dataloader"])
         self.kl_ctrl.value = float(state["kl_coef"])
         self._nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))
         set_rng_state(state["rng"])
-        print(f"ballast: resumed from {path} at step {self.global_step}")
-        self._resumed_from = path
-        return path
+        print(f"ballast: resumed from {point.checkpoint} at step {self.global_step}")
+        self.resumed_from = point.checkpoint
+        return point.checkpoint
 
 
 def _extra_means(extras: Dict[str, np.ndarray]) -> Dict[str, float]:

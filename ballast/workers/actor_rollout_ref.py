@@ -136,7 +136,7 @@ class ActorRolloutRefWorker(Worker):
         data = engine_input(batch)
         start = time.perf_counter()
         out = actor.infer_batch(data, plan.mini_batches[0], temperature=self.spec.temperature, calculate_entropy=True)
-        mfu = mfu_metrics("old_log_prob", actor, data, time.perf_counter() - start, self._peak_flops, passes=1)
+        mfu = mfu_metrics("actor_infer", actor, data, time.perf_counter() - start, self._peak_flops, passes=1)
         return Output(Batch({"old_log_probs": out["log_probs"].cpu(), "entropy": out["entropy"].cpu()}),
                       {k: [v] for k, v in mfu.items()})
 
@@ -149,11 +149,14 @@ class ActorRolloutRefWorker(Worker):
     @register(Dispatch.MESH, mesh="actor")
     def update_actor(self, batch: Batch, plan: PhasePlan, old_log_probs: OldLogProbMode = OldLogProbMode.PASS,
                      rest_plan: Optional[MiniBatchPlan] = None) -> UpdateResult:
-        """Train on this rank's chunk of `batch[plan.rows]`. Unless `old_log_probs` is "pass", the old
-        log-probs come from the update itself: a forward-only pass over the rows after the first
-        mini-batch (planned by `rest_plan`), then the first mini-batch's own; both are returned."""
+        """Train on this rank's chunk of `batch[plan.rows]`. With `old_log_probs` "update"/"partial" the
+        old log-probs come from the update itself: a forward-only pass over the rows after the first
+        mini-batch (planned by `rest_plan`), then the first mini-batch's own; both are returned. With
+        "rollout" (bypass rollout correction: `old_log_probs` holds the rollout's) the log-probs each
+        row had when it was trained are returned instead."""
         actor = self._require(self.actor, "actor")
-        extra = ("old_log_probs", "advantages", "ref_log_prob")
+        extra = ("old_log_probs", "advantages", "ref_log_prob", "rollout_is_weights", "rollout_is_norm_sum",
+                 "rollout_is_norm_count")
         data = engine_input(batch, extra)
         metrics: Dict[str, float] = {}
         first_loss, rest = None, None
@@ -162,7 +165,8 @@ class ActorRolloutRefWorker(Worker):
             rest, metrics = self._old_log_probs_before_update(data, plan, rest_plan)
             first_loss = SelfOldLogProbLoss(self.spec.actor_train.loss_fn)
         result = run_train_loop(actor, data, plan, self.spec.actor_train, "actor", first_loss_fn=first_loss,
-                                later_old_log_probs=None if rest is None else rest[0])
+                                later_old_log_probs=None if rest is None else rest[0],
+                                record_log_probs=OldLogProbMode(old_log_probs) is OldLogProbMode.ROLLOUT)
         seconds = time.perf_counter() - start
         if first_loss is not None:
             first = first_loss.collect(plan.mini_batches[0].for_rank(actor.parallel.dp_rank))
@@ -186,7 +190,7 @@ class ActorRolloutRefWorker(Worker):
         rest = data[torch.as_tensor(rows)]
         out = actor.infer_batch(rest, rest_plan, temperature=self.spec.temperature, calculate_entropy=True)
         seconds = time.perf_counter() - start
-        metrics = mfu_metrics("old_log_prob", actor, rest, seconds, self._peak_flops, passes=1)
+        metrics = mfu_metrics("actor_infer", actor, rest, seconds, self._peak_flops, passes=1)
         metrics["timing_s/old_log_prob"] = seconds
         return (out["log_probs"].cpu(), out["entropy"].cpu()), metrics
 

@@ -20,6 +20,7 @@ import torch
 from tensordict import TensorDict
 
 from ballast.engine import MiniBatchPlan, PhasePlan
+from ballast.workers.on_policy import LogProbRecorder
 from ballast.workers.spec import TrainLoopSpec
 
 
@@ -55,6 +56,9 @@ class UpdateResult:
     # its dispatch order, (rows, R) each.
     old_log_probs: Optional[torch.Tensor] = None
     entropy: Optional[torch.Tensor] = None
+    # With `record_log_probs`: the log-probs each row had when it was trained in the first epoch, this
+    # rank's first-epoch rows in dispatch order, (rows, R).
+    train_log_probs: Optional[torch.Tensor] = None
 
 
 def memory_metrics() -> Dict[str, float]:
@@ -75,10 +79,13 @@ def memory_metrics() -> Dict[str, float]:
 
 
 def run_train_loop(engine, data: TensorDict, plan: PhasePlan, spec: TrainLoopSpec, prefix: str,
-                   first_loss_fn=None, later_old_log_probs: Optional[torch.Tensor] = None) -> UpdateResult:
+                   first_loss_fn=None, later_old_log_probs: Optional[torch.Tensor] = None,
+                   record_log_probs: bool = False) -> UpdateResult:
     """Train on `data` (this rank's chunk of the phase) following `plan`. When the update supplies the
     old log-probs itself, `first_loss_fn` replaces `spec.loss_fn` in the first mini-batch (it makes
     them) and `later_old_log_probs` are those of the rows after it (one epoch: rows first..end).
+    `record_log_probs` keeps the log-probs of every first-epoch row as it was trained
+    (`UpdateResult.train_log_probs`).
 
     Returns metrics averaged over mini-batches and the real tokens of every micro-batch each DP rank
     ran during the whole update (one list per DP rank).
@@ -87,15 +94,21 @@ def run_train_loop(engine, data: TensorDict, plan: PhasePlan, spec: TrainLoopSpe
     micro_tokens: List[List[int]] = []
     skipped_total = None
     first_rows = plan.mini_batches[0].rows_per_rank[engine.parallel.dp_rank]
+    recorded: List[torch.Tensor] = []
+    first_epoch = len(plan.mini_batches) // plan.epochs
     for m, (rows, mini_batch) in enumerate(rank_mini_batches(plan, engine.parallel.dp_rank, data.batch_size[0])):
         engine.zero_grad()
         loss_fn = first_loss_fn if m == 0 and first_loss_fn is not None else spec.loss_fn
+        recorder = LogProbRecorder(loss_fn) if record_log_probs and m < first_epoch else None
+        loss_fn = recorder or loss_fn
         entropy = spec.calculate_entropy or (m == 0 and first_loss_fn is not None)
         mini_data = data[torch.as_tensor(rows)]
         if later_old_log_probs is not None and m > 0:
             mini_data.set("old_log_probs", later_old_log_probs[torch.as_tensor(rows - first_rows)])
         out = engine.forward_backward_batch(mini_data, loss_fn, mini_batch,
                                             temperature=spec.temperature, calculate_entropy=entropy)
+        if recorder is not None:
+            recorded.append(recorder.collect(mini_batch.for_rank(engine.parallel.dp_rank), data["responses"].shape[1]))
         clip = None
         if spec.grad_clip_min_batch_size is not None and engine.cfg.grad_clip is not None:
             clip = adaptive_grad_clip(engine.cfg.grad_clip, int(out["num_sequences"]), spec.grad_clip_min_batch_size)
@@ -116,4 +129,4 @@ def run_train_loop(engine, data: TensorDict, plan: PhasePlan, spec: TrainLoopSpe
     result: Dict[str, float] = {key: float(np.mean(values)) for key, values in history.items()}
     if skipped_total is not None:  # a running count: its mean over mini-batches would mean nothing
         result[f"{prefix}/skipped_steps_total"] = float(skipped_total)
-    return UpdateResult(result, micro_tokens)
+    return UpdateResult(result, micro_tokens, train_log_probs=torch.cat(recorded) if recorded else None)

@@ -4,6 +4,7 @@ Three gloo ranks shard a tiny Qwen2 with FSDP2: dim 0 sizes that do not divide b
 shards (and an empty one for a 2-row tensor); mixed dtypes and plain tensors are interleaved, and
 tiny buckets force every bucket boundary case. Every name comes back once, in order, bit-equal.
 Four ranks check hybrid sharding: 2 replicas of a 2-way shard, and 4 replicas of whole tensors.
+Two ranks run the gathers (and Ulysses' sequence gather) on a torch without `all_gather_single`.
 """
 
 from __future__ import annotations
@@ -90,3 +91,25 @@ def _check_hybrid(rank: int, world: int) -> None:
 
 def test_bucketed_gather_hybrid_sharding():
     spawn_ranks(_check_hybrid, 4, timeout_s=240)
+
+
+def _check_without_all_gather_single(rank: int, world: int) -> None:
+    # torch 2.11 / 2.12 (allowed by pyproject) have only all_gather_into_tensor: remove the newer name
+    # in this rank's process, then run both users of the all-gather.
+    del dist.all_gather_single
+    from ballast.engine.ulysses import gather_sequence
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    full = {"a": torch.randn(5, 3), "b": torch.randn(1, 2), "c": torch.randn(4).double()}
+    named = [(k, distribute_tensor(v, mesh, [Shard(0)])) for k, v in full.items()]
+    got = dict(iter_gathered(named, bucket_bytes=1 << 20))
+    assert list(got) == list(full) and all(torch.equal(got[k], full[k]) for k in full)
+    mine = torch.full((2, 3), float(rank))
+    gathered = gather_sequence(mine, dist.group.WORLD)
+    assert torch.equal(gathered, torch.cat([torch.full((2, 3), float(r)) for r in range(world)]))
+    dist.barrier()
+
+
+def test_gathers_work_on_torch_without_all_gather_single():
+    spawn_ranks(_check_without_all_gather_single, 2, timeout_s=240)

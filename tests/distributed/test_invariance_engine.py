@@ -206,3 +206,181 @@ def test_loss_and_gradient_equal_the_single_process_reference(problem, dp, sp):
     assert counts["dynamic-tight"] > counts["dynamic-loose"]
     assert counts["dynamic-bucketed"] >= 3 > counts["dynamic-loose"]  # three buckets, never mixed
     assert counts["central-tight"] == results[0]["planned"] > 1  # the engine ran the central plan's cut
+
+
+# ------------------------------------------------------------------------------------ rollout correction
+# Every correction mode x loss aggregation mode over the cuts, against the actor loss on the whole
+# mini-batch in one piece under the plain model. Decoupled modes carry driver-made weights, masks and
+# normaliser terms; bypass modes compute theirs in the loss from the policy being trained, the batch
+# normaliser from a forward-only pass over the mini-batch that the engine sums over the DP group.
+CORRECTION_MODES = [
+    ("dec-token-tis", dict(rollout_is="token", rollout_is_threshold=1.5)),
+    ("dec-seq-is-norm", dict(rollout_is="sequence", rollout_is_threshold=2.0, rollout_is_batch_normalize=True)),
+    ("dec-token-icepop-norm-seqsum-rs", dict(rollout_is="token", rollout_is_threshold="0.6_1.6",
+                                             rollout_is_batch_normalize=True, rollout_rs="seq_sum_k1",
+                                             rollout_rs_threshold="0.3_3.0")),
+    ("dec-rs-token-k1-seq-max-k3", dict(rollout_rs="token_k1,seq_max_k3", rollout_rs_threshold="0.6_1.6,0.5")),
+    ("bypass-ppo-clip-seq-mean-k3", dict(bypass_mode=True, rollout_rs="seq_mean_k3", rollout_rs_threshold=0.045)),
+    ("bypass-pg-seq-tis", dict(bypass_mode=True, loss_type="reinforce", rollout_is="sequence")),
+    ("bypass-pg-token-icepop-norm", dict(bypass_mode=True, loss_type="reinforce", rollout_is="token",
+                                         rollout_is_threshold="0.6_1.6", rollout_is_batch_normalize=True)),
+    ("bypass-pg-seq-norm-rs", dict(bypass_mode=True, loss_type="reinforce", rollout_is="sequence",
+                                   rollout_is_threshold=1.5, rollout_is_batch_normalize=True,
+                                   rollout_rs="token_k2,seq_mean_k1", rollout_rs_threshold="0.08,0.7_1.4")),
+    # Ballast's extensions: probability-difference and binary-KL token masks, an outlier-sequence mask
+    ("bypass-ppo-clip-tv-bkl-outlier", dict(bypass_mode=True, rollout_rs="token_tv,token_bkl,seq_max_absk1",
+                                            rollout_rs_threshold="0.003,0.0004,2.5")),
+]
+CORRECTION_SPECS = ("static-1", "static-all", "dynamic-tight", "central-tight")
+
+
+def _corrected(data, lp, name, mode):
+    """(mini-batch with the columns the loss reads, the actor loss) for one correction mode."""
+    from ballast.trainer.algorithms.policy_loss import ActorLossConfig, make_actor_loss
+    from ballast.trainer.algorithms.rollout_correction import correct, normaliser_terms, parse_rollout_correction
+    from ballast.trainer.step.rollout_correction import loss_correction
+
+    corr = parse_rollout_correction(**dict(CORRECTION_MODES)[name])
+    data = data.clone()
+    gen = torch.Generator().manual_seed(3)
+    mask = data["response_mask"]
+    data["rollout_log_probs"] = (lp + 0.3 * torch.randn(lp.shape, generator=gen)) * mask
+    if corr.bypass_mode:
+        data["old_log_probs"] = data["rollout_log_probs"].clone()
+    else:  # what the driver does after the old-log-prob pass
+        data["old_log_probs"] = (lp + 0.05 * torch.randn(lp.shape, generator=gen)) * mask
+        c = correct(data["old_log_probs"], data["rollout_log_probs"], mask, corr)
+        if c.weights is not None:
+            data["rollout_is_weights"] = c.weights.weights
+            terms = normaliser_terms(c.weights.weights, mask, corr.rollout_is)
+            data["rollout_is_norm_sum"], data["rollout_is_norm_count"] = terms[:, 0].clone(), terms[:, 1].clone()
+        data["response_mask"] = c.mask
+    cfg = ActorLossConfig(loss_agg_mode=mode, entropy_coeff=ENTROPY_COEF, rollout_correction=loss_correction(corr))
+    return data, make_actor_loss(cfg)
+
+
+def _correction_reference(model_dir, data):
+    """{(name, agg mode): (loss, {param: grad})}: the whole mini-batch as one micro-batch, plain model."""
+    from transformers import AutoModelForCausalLM
+
+    from ballast.engine.losses import GlobalNorm, mini_batch_statistic
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    with torch.no_grad():
+        base_lp, _ = reference_log_probs(model, data, TEMPERATURE)
+    _check_modes_bite(data, base_lp)
+    refs = {}
+    for name, _ in CORRECTION_MODES:
+        for mode in LOSS_AGG_MODES:
+            batch, loss_fn = _corrected(data, base_lp, name, mode)
+            model.zero_grad(set_to_none=True)
+            lp, ent = reference_log_probs(model, batch, TEMPERATURE)
+            norm = GlobalNorm.local(batch["response_mask"])
+            stat = mini_batch_statistic(loss_fn)
+            if stat is not None:
+                parts = stat({"log_probs": lp.detach()} if stat.needs_outputs else None, batch)
+                norm = norm.with_stats(dict(zip(stat.keys, [float(p) for p in parts])))
+            loss, _ = loss_fn({"log_probs": lp, "entropy": ent}, batch, norm)
+            loss.backward()
+            refs[(name, mode)] = (float(loss.detach()), {n: p.grad.detach().clone() for n, p in model.named_parameters()})
+    return refs, base_lp
+
+
+def _check_modes_bite(data, base_lp):
+    """Every mode's weights and rejection really change something here (else the matrix proves little)."""
+    from ballast.trainer.algorithms.rollout_correction import correct, parse_rollout_correction
+
+    for name, settings in CORRECTION_MODES:
+        corr = parse_rollout_correction(**settings)
+        batch, _ = _corrected(data, base_lp, name, "token-mean")
+        train = base_lp if corr.bypass_mode else batch["old_log_probs"]
+        c = correct(train, batch["rollout_log_probs"], data["response_mask"], corr)
+        mask = data["response_mask"].bool()
+        if corr.rejection:
+            kept = float(c.mask.sum()) / float(mask.sum())
+            assert 0.05 < kept < 0.95, (name, kept)
+        if c.weights is not None:
+            w = c.weights.weights[mask]
+            clipped = (w == corr.is_upper) | (w == 0) if corr.rollout_is == "token" or corr.is_lower else w == corr.is_upper
+            assert 0 < float(clipped.float().mean()) < 1, (name, float(clipped.float().mean()))
+
+
+@pytest.fixture(scope="module")
+def correction_problem(problem):
+    root, model_dir = problem
+    data = _load_data(os.path.join(root, "data.pt"))
+    refs, base_lp = _correction_reference(model_dir, data)
+    torch.save(base_lp, os.path.join(root, "base_lp.pt"))
+    torch.save({f"{k[0]}|{k[1]}": v for k, v in refs.items()}, os.path.join(root, "correction_ref.pt"))
+    return root, model_dir
+
+
+def _load_data(path):
+    """The mini-batch `problem` saved."""
+    from tensordict import TensorDict
+
+    return TensorDict(torch.load(path, weights_only=True), batch_size=[NUM_SAMPLES])
+
+
+def _correction_cases(rmpads):
+    """Every correction mode x loss aggregation mode, each pair under one cut and remove-padding
+    setting, rotated so that every mode meets every cut and both settings, and so does every
+    aggregation mode: the whole cross product would cost minutes and test no new code path."""
+    for i, mode_entry in enumerate(CORRECTION_MODES):
+        for j, mode in enumerate(LOSS_AGG_MODES):
+            yield mode_entry, mode, CORRECTION_SPECS[(i + j) % len(CORRECTION_SPECS)], rmpads[j % len(rmpads)]
+
+
+def _correction_worker(rank, world, root, model_dir, sp):
+    from ballast.engine.dist import build_parallel_state
+
+    data = _load_data(os.path.join(root, "data.pt"))
+    base_lp = torch.load(os.path.join(root, "base_lp.pt"), weights_only=True)
+    refs = torch.load(os.path.join(root, "correction_ref.pt"), weights_only=True)
+    parallel = build_parallel_state(sp, "cpu")
+    rows = NUM_SAMPLES // parallel.dp_size
+    lengths = data["attention_mask"].sum(-1).numpy()
+    specs = _specs(rows, lengths, sp)
+    central = plan_phase(lengths, parallel.dp_size, specs["central-tight"].policy(sp))
+    rmpads = [True, False] if sp == 1 else [True]
+    engines = {rmpad: TrainEngine(EngineConfig(model_path=model_dir, use_remove_padding=rmpad,
+                                               ulysses_sequence_parallel_size=sp), parallel=parallel)
+               for rmpad in rmpads}
+    results = []
+    for (name, _), mode, spec_name, rmpad in _correction_cases(rmpads):
+        engine = engines[rmpad]
+        whole, loss_fn = _corrected(data, base_lp, name, mode)
+        ref_loss, ref_grads = refs[f"{name}|{mode}"]
+        ref_norm = math.sqrt(sum(float((g.double() ** 2).sum()) for g in ref_grads.values()))
+        if spec_name == "central-tight":
+            batch, plan = whole[torch.as_tensor(central.rank_rows(parallel.dp_rank))], central.mini_batches[0]
+        else:
+            batch = whole[parallel.dp_rank * rows:(parallel.dp_rank + 1) * rows]
+            plan = engine.plan_micro_batches(batch, specs[spec_name])
+        metrics = engine.forward_backward_batch(batch, loss_fn, plan, temperature=TEMPERATURE, calculate_entropy=True)
+        grads = {n: full(p.grad) for n, p in engine.model.named_parameters()}
+        engine.zero_grad()
+        max_diff = max(float((grads[n] - ref_grads[n]).abs().max()) for n in grads)
+        results.append(dict(rmpad=rmpad, spec=spec_name, name=name, mode=mode, loss=metrics["loss"],
+                            ref_loss=ref_loss, max_grad_diff=max_diff, ref_grad_norm=ref_norm))
+    if rank == 0:
+        with open(os.path.join(root, f"correction_{world}_{sp}.json"), "w") as f:
+            json.dump(results, f)
+
+
+@pytest.mark.parametrize("dp, sp", [(1, 1), (2, 1), (1, 2), (2, 2)], ids=lambda v: str(v))
+def test_rollout_correction_modes_equal_the_single_process_reference(correction_problem, dp, sp):
+    root, model_dir = correction_problem
+    spawn_ranks(_correction_worker, dp * sp, args=(root, model_dir, sp), timeout_s=600)
+    with open(os.path.join(root, f"correction_{dp * sp}_{sp}.json")) as f:
+        results = json.load(f)
+    assert len(results) == len(CORRECTION_MODES) * len(LOSS_AGG_MODES)
+    assert {r["spec"] for r in results} == set(CORRECTION_SPECS) and len({r["rmpad"] for r in results}) == (2 if sp == 1 else 1)
+    failures = []
+    for r in results:
+        where = f"dp={dp} sp={sp} rmpad={r['rmpad']} {r['spec']} {r['name']} {r['mode']}"
+        if abs(r["loss"] - r["ref_loss"]) > REL_TOL * max(1.0, abs(r["ref_loss"])):
+            failures.append(f"{where}: loss {r['loss']:.8g} != reference {r['ref_loss']:.8g}")
+        if r["max_grad_diff"] > REL_TOL * r["ref_grad_norm"]:
+            failures.append(f"{where}: max |grad diff| {r['max_grad_diff']:.3g} > {REL_TOL} * {r['ref_grad_norm']:.3g}")
+    assert not failures, f"{len(failures)} failures:\n" + "\n".join(failures)

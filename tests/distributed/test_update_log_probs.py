@@ -21,8 +21,8 @@ from ballast.balance import MicroBatchMode, MicroBatchPolicy, plan_phase
 from ballast.engine import EngineConfig, OptimConfig, TrainEngine
 from ballast.protocol import Batch
 from ballast.trainer.algorithms.policy_loss import ActorLossConfig, actor_loss
-from ballast.trainer.old_log_probs import OldLogProbPhase
-from ballast.trainer.step_plans import plan_after_first_mini_batch
+from ballast.trainer.step.old_log_probs import OldLogProbPhase
+from ballast.trainer.step.plans import plan_after_first_mini_batch
 from ballast.workers.actor_rollout_ref import ActorRolloutRefWorker
 from ballast.workers.on_policy import OldLogProbMode
 from ballast.workers.spec import TrainLoopSpec

@@ -1,5 +1,7 @@
 """rollout.mode=async through the whole driver loop: single-turn agent loops train exactly like batched
-rollouts, and tool-agent runs (tools declared in a yaml) report their agent metrics, validation too."""
+rollouts, and tool-agent runs (tools declared in a yaml) report their agent metrics, validation too,
+and run rollout correction on whole conversations (the rollout's log-probs of the sampled tokens equal
+the actor's; tool tokens are masked out of both)."""
 
 import math
 
@@ -14,6 +16,8 @@ AGENT_METRICS = ["agent/num_turns/mean", "agent/num_turns/max", "agent/tool_call
                  "agent/tool_timeouts/total", "agent/tool_latency_s/mean", "agent/stop_reason/answer",
                  "agent/stop_reason/length", "response_length/model_tokens/mean", "response_length/tool_tokens/mean",
                  "agent/tokenization_mismatch/frac"]
+RC_METRICS = ["rollout_corr/kl", "rollout_corr/k3_kl", "rollout_corr/rollout_is_mean",
+              "rollout_corr/rollout_rs_masked_fraction", "training/rollout_actor_log_prob_diff/max"]
 SAME = ["critic/score/mean", "response_length/mean", "response_length/max", "actor/pg_loss", "actor/grad_norm",
         "critic/advantages/max"]
 
@@ -21,8 +25,7 @@ SAME = ["critic/score/mean", "response_length/mean", "response_length/max", "act
 @pytest.fixture()
 def session(tiny_task, e2e_ray, tmp_path):
     def make(name, *extra):
-        cfg, sizes = prepare_typed(load_config(overrides(tiny_task, run_dir(tmp_path, name), *extra)))
-        return training_session(cfg, sizes)
+        return training_session(prepare_typed(load_config(overrides(tiny_task, run_dir(tmp_path, name), *extra))))
 
     return make
 
@@ -41,14 +44,16 @@ def test_single_turn_async_trains_exactly_like_batched_rollouts(session):
     assert agent["training/rollout_actor_log_prob_diff/max"] < 1e-3
 
 
-def test_tool_agent_run_reports_agent_metrics_in_training_and_validation(session, tmp_path):
+def test_tool_agent_run_reports_agent_metrics_and_corrects_rollouts(session, tmp_path):
     tools = tmp_path / "tools.yaml"
     tools.write_text("tools:\n  - class_name: calculator\n    config: {type: native, timeout_s: 5}\n"
                      "  - class_name: python\n    config: {type: native, timeout_s: 5}\n")
     extra = ["actor_rollout_ref.rollout.mode=async", "actor_rollout_ref.rollout.multi_turn.enable=True",
              f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}",
              "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3", "trainer.test_freq=2",
-             "actor_rollout_ref.rollout.agent.max_concurrent_conversations=4"]
+             "actor_rollout_ref.rollout.agent.max_concurrent_conversations=4",
+             "actor_rollout_ref.rollout.calculate_log_probs=True", "+algorithm/rollout_correction=decoupled_token_is",
+             "algorithm.rollout_correction.rollout_rs=seq_max_k3", "algorithm.rollout_correction.rollout_rs_threshold=5.0"]
     with session("tools", *extra) as trainer:
         metrics = trainer.fit()
     missing = [k for k in AGENT_METRICS + ["val/" + k for k in AGENT_METRICS] if k not in metrics]
@@ -58,3 +63,9 @@ def test_tool_agent_run_reports_agent_metrics_in_training_and_validation(session
                                                               "max_user_turns"))
     assert reasons == pytest.approx(1.0)
     assert metrics["agent/tokenization_mismatch/frac"] == 0.0
+    assert metrics["response_length/tool_tokens/mean"] > 0  # conversations with tool tokens were corrected
+    corr = [k for k in RC_METRICS if not math.isfinite(metrics.get(k, math.nan))]
+    assert not corr, corr
+    # a tool token's rollout log-prob (0) compared with the actor's would show here: only sampled ones count
+    assert metrics["training/rollout_actor_log_prob_diff/max"] < 1e-3
+    assert metrics["rollout_corr/rollout_rs_masked_fraction"] == 0.0 and metrics["rollout_corr/kl"] < 1e-4

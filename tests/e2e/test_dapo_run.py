@@ -87,8 +87,7 @@ def _dapo_line(task, model, out_dir):
 def test_dapo_recipe_draws_several_generation_batches_and_stops_with_its_data(gsm8k_task, tiny_task, e2e_ray,
                                                                              tmp_path, capfd):
     out = run_dir(tmp_path, "dapo")
-    cfg, sizes = prepare_typed(load_config(_dapo_line(gsm8k_task, tiny_task["model"], out)))
-    with training_session(cfg, sizes) as trainer:
+    with training_session(prepare_typed(load_config(_dapo_line(gsm8k_task, tiny_task["model"], out)))) as trainer:
         planned = trainer.total_steps
         trainer.fit()
         trained = trainer.global_step

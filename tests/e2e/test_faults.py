@@ -12,10 +12,14 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from ballast.single_controller import Dispatch, Worker, register
 from ballast.trainer.config import derive_sizes, load_config
 from ballast.trainer.main import EXIT_WORKER_FAILED
+from ballast.trainer.run.preflight import resume_point
+from ballast.balance import MicroBatchMode, MicroBatchPolicy, plan_phase
+from ballast.protocol import Batch
 from ballast.trainer.ray_trainer import NonFiniteStepsError, RayPPOTrainer
 from ballast.workers.train_loop import UpdateResult
 
@@ -30,7 +34,7 @@ class _FakeActorGroup:
         self.skipped = list(skipped)
         self.saved, self.loaded = [], []
 
-    def update_actor(self, batch):
+    def update_actor(self, batch, plan, mode, rest_plan):
         return [UpdateResult({"actor/step_skipped": self.skipped.pop(0), "actor/pg_loss": 0.1,
                               "actor/num_micro_batches": 2.0}, [])]
 
@@ -55,27 +59,33 @@ def _driver(tmp_path, skipped, limit, *extra):
     return RayPPOTrainer(cfg, sizes=derive_sizes(cfg), data=data, workers=workers, reward=None, tracker=None, model_config={})
 
 
+def _update(trainer):
+    """One actor update through the driver's own method, on a one-row step under verl's separate pass."""
+    plan = plan_phase([3], 1, MicroBatchPolicy(MicroBatchMode.STATIC, micro_batch_size=1))
+    return trainer.update_actor(Batch({"x": torch.zeros(1, 1)}), plan, plans=None, separate_pass=True)[0]
+
+
 def test_nonfinite_steps_in_a_row_stop_the_run_at_the_limit(tmp_path):
     trainer = _driver(tmp_path, [1.0, 1.0, 0.0, 1.0, 1.0, 1.0], limit=3)
     for _ in range(5):  # two skipped, a good step resets the streak, then two more skipped: still running
-        metrics = trainer.update_actor(batch=None)
+        metrics = _update(trainer)
         assert "actor/step_skipped" in metrics and metrics["perf/num_micro_batches"] == 2.0
     assert trainer._nonfinite_in_a_row == 2
     with pytest.raises(NonFiniteStepsError, match=r"3 actor updates in a row .*max_consecutive_nonfinite_steps=3"):
-        trainer.update_actor(batch=None)
+        _update(trainer)
 
 
 def test_nonfinite_streak_survives_a_checkpoint(tmp_path):
     trainer = _driver(tmp_path, [1.0, 1.0], limit=3)
-    trainer.update_actor(batch=None)
-    trainer.update_actor(batch=None)
+    _update(trainer)
+    _update(trainer)
     trainer.global_step = 2
     path = trainer.save_checkpoint()
     assert json.load(open(os.path.join(path, "trainer_state.json")))["nonfinite_in_a_row"] == 2
     resumed = _driver(tmp_path, [1.0], 3, "trainer.resume_mode=auto")
-    assert resumed.resume() == path and resumed.global_step == 2
+    assert resumed.resume(resume_point(resumed.cfg.trainer)) == path and resumed.global_step == 2
     with pytest.raises(NonFiniteStepsError):  # the streak continues: a third skipped update in a row
-        resumed.update_actor(batch=None)
+        _update(resumed)
 
 
 # ---------------------------------------------------------------------- a peer's death is the root cause

@@ -65,9 +65,9 @@ def test_grpo_on_the_real_model_keeps_rollout_and_actor_equal_and_honours_the_ch
 
     out = run_dir(tmp_path, "real")
     reward = os.path.join(os.path.dirname(__file__), "real_model_reward.py")
-    cfg, sizes = prepare_typed(load_config(_overrides(real_task, out, f"custom_reward_function.path={reward}")))
+    prepared = prepare_typed(load_config(_overrides(real_task, out, f"custom_reward_function.path={reward}")))
     batches = []
-    with training_session(cfg, sizes) as trainer:
+    with training_session(prepared) as trainer:
         generate = trainer.generate
 
         def keep(prompts, step):

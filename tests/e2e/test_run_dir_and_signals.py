@@ -1,7 +1,8 @@
 """The real command line under the faults a scheduler and a busy user produce: SIGTERM mid-run
 (exit 143, `ballast: terminated`, optionally a checkpoint of the finished step), a second run into a
-directory in use (exit 2 naming the holder's pid), a fresh start on top of an old run (exit 2), and no
-Ray session directory left in /tmp afterwards."""
+directory in use (exit 2 naming the holder's pid), a fresh start on top of an old run (exit 2), Ctrl-C
+or SIGTERM repeated while the run shuts down (the shutdown finishes, exit 130 / 143), a driver killed
+with SIGKILL (its watchdog stops the rest), and no Ray process or session directory left afterwards."""
 
 import os
 import re
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from ballast.trainer.run import ray_watchdog
 from testkit.e2e import killed_on_exit, last_line, logged_steps, start_trainer, wait_for
 
 
@@ -67,3 +69,45 @@ def test_sigterm_without_save_stops_at_once_with_exit_143(tiny_task, tmp_path):
     assert exit_s < 30, f"took {exit_s:.0f}s to stop"
     assert not Path(run_dir, "latest_checkpointed_iteration.txt").exists()  # save_freq=-1, save_on_signal=false
     assert not os.path.exists(re.search(r"local Ray session in (\S+)", out).group(1))
+
+
+def _ray_dir(out):
+    return re.search(r"local Ray session in (\S+)", out).group(1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum, code, line", [(signal.SIGINT, 130, "ballast: interrupted"),
+                                                (signal.SIGTERM, 143, "ballast: terminated")], ids=["SIGINT", "SIGTERM"])
+def test_signals_repeated_during_the_shutdown_cannot_cut_it_short(tiny_task, tmp_path, signum, code, line):
+    run_dir = str(tmp_path / "run")
+    os.makedirs(run_dir)
+    with killed_on_exit(_cli(tiny_task, run_dir, "trainer.total_training_steps=50")) as proc:
+        wait_for(lambda: logged_steps(run_dir), proc, 240, "first step")
+        deadline = time.monotonic() + 90
+        while proc.poll() is None and time.monotonic() < deadline:  # a Ctrl-C hammered until the run is gone:
+            proc.send_signal(signum)  # the first stops the run, the rest land during its shutdown
+            time.sleep(0.1)
+        out, err = proc.communicate(timeout=60)
+    ray_dir = _ray_dir(out)
+    left = ray_watchdog.processes_using(ray_dir)  # right at exit: the shutdown must have finished everything
+    assert proc.returncode == code and last_line(err) == line, err[-3000:]
+    assert "ballast: already stopping" in err and "Traceback" not in err, err[-3000:]
+    assert not left, f"processes of the run's Ray still running after the driver exited: {left}"
+    assert not os.path.exists(ray_dir), f"{ray_dir} was left behind"
+
+
+@pytest.mark.slow
+def test_a_driver_killed_with_sigkill_leaves_no_ray_process_or_directory(tiny_task, tmp_path):
+    run_dir = str(tmp_path / "run")
+    os.makedirs(run_dir)
+    with killed_on_exit(_cli(tiny_task, run_dir, "trainer.total_training_steps=50")) as proc:
+        wait_for(lambda: logged_steps(run_dir), proc, 240, "first step")
+        proc.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        out, _ = proc.communicate(timeout=150)
+    ray_dir = _ray_dir(out)
+    while (ray_watchdog.processes_using(ray_dir) or os.path.exists(ray_dir)) and time.monotonic() - killed < 20:
+        time.sleep(0.2)
+    left = ray_watchdog.processes_using(ray_dir)
+    assert not left, f"processes of the killed run's Ray still running {time.monotonic() - killed:.0f}s later: {left}"
+    assert not os.path.exists(ray_dir), f"{ray_dir} was left behind"

@@ -44,6 +44,15 @@ def test_package_respects_the_layering(package):
     assert not violations, "\n".join(violations)
 
 
+def test_the_config_package_imports_no_other_part_of_the_trainer():
+    # The run's plan (ballast.trainer.run.run_plan) builds on the config, never the other way round.
+    violations = [f"{path.relative_to(PKG.parent)} imports {name}"
+                  for path in sorted((PKG / "trainer" / "config").rglob("*.py")) for name in _imports(path)
+                  if name == "ballast.trainer" or (name.startswith("ballast.trainer.")
+                                                   and not name.startswith("ballast.trainer.config"))]
+    assert not violations, "\n".join(violations)
+
+
 def test_every_module_opens_with_a_docstring():
     missing = [str(p.relative_to(PKG.parent)) for p in sorted(PKG.rglob("*.py"))
                if p.read_text().strip() and ast.get_docstring(ast.parse(p.read_text())) is None]

@@ -109,17 +109,9 @@ def derive_sizes(cfg: BallastConfig, model: Optional[ModelInfo] = None) -> Deriv
     n = rollout.n
     samples = data.train_batch_size * n
     max_seq = data.max_prompt_length + data.max_response_length
-    samples_key = "data.train_batch_size * actor_rollout_ref.rollout.n"
 
     tp = rollout.tensor_model_parallel_size
-    tp_key = "actor_rollout_ref.rollout.tensor_model_parallel_size"
-    if tp < 1:
-        raise ConfigError(f"{tp_key}={tp} must be >= 1")
-    _divides(tp, world, tp_key, _WORLD)
-    if model is not None:
-        _divides(tp, model.num_attention_heads, tp_key, "the model's num_attention_heads")
-    rollout_dp = world // tp
-    _divides(rollout_dp, samples, f"rollout dp size (world // {tp_key})", samples_key)
+    rollout_dp = _rollout_dp(cfg, world, model)
 
     prefix = "actor_rollout_ref.actor"
     sp = _sp_size(prefix, actor.ulysses_sequence_parallel_size, world, model)
@@ -140,7 +132,7 @@ def derive_sizes(cfg: BallastConfig, model: Optional[ModelInfo] = None) -> Deriv
         prefix, ref = "actor_rollout_ref.ref", cfg.actor_rollout_ref.ref
         sp = _sp_size(prefix, ref.ulysses_sequence_parallel_size, world, model)
         dp = world // sp
-        _divides(dp, samples, f"{prefix} dp size (world // {prefix}.ulysses_sequence_parallel_size)", samples_key)
+        _divides(dp, samples, f"{prefix} dp size (world // {prefix}.ulysses_sequence_parallel_size)", _SAMPLES)
         ref_sizes = RoleSizes(dp, sp, samples // dp, _micro(
             prefix, ref.log_prob_use_dynamic_bsz, ref.log_prob_micro_batch_size_per_gpu,
             ref.log_prob_max_token_len_per_gpu, sp, max_seq))
@@ -165,6 +157,26 @@ def derive_sizes(cfg: BallastConfig, model: Optional[ModelInfo] = None) -> Deriv
 
 
 _WORLD = "world size (trainer.nnodes * trainer.n_gpus_per_node)"
+_SAMPLES = "data.train_batch_size * actor_rollout_ref.rollout.n"
+
+
+def _rollout_dp(cfg: BallastConfig, world: int, model: Optional[ModelInfo]) -> int:
+    """Rollout workers (world // tensor-parallel size); every generation batch divides over them."""
+    rollout = cfg.actor_rollout_ref.rollout
+    tp, n = rollout.tensor_model_parallel_size, rollout.n
+    tp_key = "actor_rollout_ref.rollout.tensor_model_parallel_size"
+    if tp < 1:
+        raise ConfigError(f"{tp_key}={tp} must be >= 1")
+    _divides(tp, world, tp_key, _WORLD)
+    if model is not None:
+        _divides(tp, model.num_attention_heads, tp_key, "the model's num_attention_heads")
+    rollout_dp = world // tp
+    _divides(rollout_dp, cfg.data.train_batch_size * n, f"rollout dp size (world // {tp_key})", _SAMPLES)
+    gen = cfg.data.gen_batch_size
+    if gen is not None and gen * n % rollout_dp:
+        raise ConfigError(f"data.gen_batch_size * actor_rollout_ref.rollout.n = {gen * n} "
+                          f"samples must divide over the {rollout_dp} rollout workers")
+    return rollout_dp
 
 
 def _divides(divisor: int, value: int, divisor_name: str, value_name: str) -> None:
@@ -221,7 +233,7 @@ def _train_role(prefix: str, world: int, samples: int, n: int, sp: int, mini: in
                 train: MicroBatchSpec, infer: MicroBatchSpec) -> RoleSizes:
     dp = world // sp
     dp_name = f"{prefix} dp size (world // {prefix}.ulysses_sequence_parallel_size)"
-    _divides(dp, samples, dp_name, "data.train_batch_size * actor_rollout_ref.rollout.n")
+    _divides(dp, samples, dp_name, _SAMPLES)
     if mini < 1 or mini > train_batch_size:
         raise ConfigError(f"{prefix}.ppo_mini_batch_size={mini} must be in [1, data.train_batch_size={train_batch_size}]")
     if train_batch_size % mini != 0:

@@ -3,13 +3,21 @@
 vLLM (0.33) reads gpu_memory_utilization as the fraction of the device's TOTAL memory that must be
 FREE when its engine starts, and raises otherwise; with `kv_cache_memory_bytes` unset the same
 fraction must also hold vLLM's own weights plus a KV cache. In the colocated worker the engine
-starts after the actor (and reference) engines are loaded on the same GPU, so their float32 FSDP
-shards are already resident: verl-style values of 0.8-0.9 on a model that fills a good part of the
-device cannot fit. This module turns that into a `ConfigError` on the driver, before any worker
-starts, from the checkpoint's parameter count and the device's total memory.
+starts after the actor (and reference) engines are loaded on the same GPU, so their float32
+parameter shards are already resident: verl-style values of 0.8-0.9 on a model that fills a good part
+of the device cannot fit. A PPO critic is a second worker process on the same GPUs; it loads after the
+engine has started, but its parameters stay resident while the engine takes its memory back on every
+wake-up (sleep mode) and generates, so they count too, with a second process's CUDA context. This
+module turns that into a `ConfigError` on the driver, before any worker starts, from the checkpoint's
+parameter count and the device's total memory.
 
-The numbers are estimates of what is resident at engine start (optimizer state and gradients come
-later, while vLLM sleeps); an allowance covers each process's CUDA context and NCCL buffers.
+A rank holds 1/fsdp_size of a model's parameters (`fsdp_size=-1`: 1/world; `fsdp_size=1`: all of
+them); the reference model shares the actor's mesh; a model under FSDP2 CPU offload (`offload_policy`,
+for the reference also `param_offload`) holds none on the GPU. The critic's value model is counted
+with the actor checkpoint's parameters unless `critic.model.path` names another checkpoint (its value
+head is smaller than the LM head it replaces, so this errs on the safe side). The numbers are
+estimates of parameters only: optimizer states and gradients are allocated later, while vLLM
+sleeps, and are not counted; an allowance covers each process's CUDA context and NCCL buffers.
 """
 
 from __future__ import annotations
@@ -24,7 +32,8 @@ from math import prod
 from pathlib import Path
 from typing import Optional
 
-from ballast.trainer.config.derived import uses_reference
+from ballast.engine.dist import resolve_shard_size
+from ballast.trainer.config.derived import uses_critic, uses_reference
 from ballast.trainer.config.loader import ConfigError
 from ballast.trainer.config.schema import BallastConfig
 
@@ -45,10 +54,11 @@ class RolloutMemoryPlan:
     overhead_bytes: int
     vllm_weight_bytes: int
     utilization: float
+    critic_bytes: int = 0
 
     @property
     def resident_bytes(self) -> int:
-        return self.actor_bytes + self.ref_bytes + self.overhead_bytes
+        return self.actor_bytes + self.ref_bytes + self.critic_bytes + self.overhead_bytes
 
     @property
     def requested_bytes(self) -> int:
@@ -88,32 +98,47 @@ def gpu_total_bytes() -> Optional[int]:
     return min(mib) * (1 << 20) if mib else None
 
 
-def rollout_memory_plan(cfg: BallastConfig, param_count: int, total_bytes: int) -> RolloutMemoryPlan:
+def rollout_memory_plan(cfg: BallastConfig, param_count: int, total_bytes: int,
+                        critic_param_count: Optional[int] = None) -> RolloutMemoryPlan:
+    """What each GPU holds beside the colocated vLLM engine (see the module docstring)."""
     arr = cfg.actor_rollout_ref
     world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
-    shard = FP32_BYTES * param_count // world  # FSDP2 float32 master weights over every rank
-    actor_fsdp = arr.actor.fsdp_config
-    actor_bytes = 0 if (actor_fsdp.param_offload or actor_fsdp.optimizer_offload) else shard
-    ref_bytes = shard if uses_reference(cfg) and not arr.ref.fsdp_config.param_offload else 0
+
+    def shard(params: int, fsdp_size: int) -> int:  # float32 parameters held by one rank
+        return FP32_BYTES * params // resolve_shard_size(fsdp_size, world)
+
+    actor_fsdp, ref_fsdp, critic = arr.actor.fsdp_config, arr.ref.fsdp_config, cfg.critic
+    actor_bytes = 0 if actor_fsdp.offload_policy else shard(param_count, actor_fsdp.fsdp_size)
+    ref_offloaded = ref_fsdp.offload_policy or ref_fsdp.param_offload
+    ref_bytes = shard(param_count, actor_fsdp.fsdp_size) if uses_reference(cfg) and not ref_offloaded else 0
+    critic_bytes, processes = 0, 1
+    if uses_critic(cfg):
+        processes = 2  # the critic worker: a second process (CUDA context, NCCL buffers) on every GPU
+        if not (critic.fsdp_config.offload_policy or critic.model.fsdp_config.offload_policy):
+            critic_bytes = shard(critic_param_count or param_count, critic.fsdp_config.fsdp_size)
     weight_bytes = VLLM_DTYPE_BYTES.get(arr.rollout.dtype, 2) * param_count // arr.rollout.tensor_model_parallel_size
     return RolloutMemoryPlan(total_bytes=total_bytes, actor_bytes=actor_bytes, ref_bytes=ref_bytes,
-                             overhead_bytes=CUDA_OVERHEAD_BYTES, vllm_weight_bytes=weight_bytes,
-                             utilization=arr.rollout.gpu_memory_utilization)
+                             critic_bytes=critic_bytes, overhead_bytes=processes * CUDA_OVERHEAD_BYTES,
+                             vllm_weight_bytes=weight_bytes, utilization=arr.rollout.gpu_memory_utilization)
 
 
-def check_rollout_gpu_memory(cfg: BallastConfig, param_count: int, total_bytes: int) -> RolloutMemoryPlan:
-    """Raise `ConfigError` when vLLM cannot start beside the actor/ref shards with this utilization."""
-    plan = rollout_memory_plan(cfg, param_count, total_bytes)
+def check_rollout_gpu_memory(cfg: BallastConfig, param_count: int, total_bytes: int,
+                             critic_param_count: Optional[int] = None) -> RolloutMemoryPlan:
+    """Raise `ConfigError` when vLLM cannot run beside the actor/ref/critic shards with this utilization."""
+    plan = rollout_memory_plan(cfg, param_count, total_bytes, critic_param_count)
     key = "actor_rollout_ref.rollout.gpu_memory_utilization"
     gib = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
     if plan.requested_bytes > total_bytes - plan.resident_bytes:
+        fsdp = cfg.actor_rollout_ref.actor.fsdp_config.fsdp_size
+        critic = f", critic ({gib(plan.critic_bytes)})" if uses_critic(cfg) else ""
         raise ConfigError(
             f"{key}={plan.utilization} asks vLLM for {plan.utilization} x {gib(total_bytes)} = "
-            f"{gib(plan.requested_bytes)} of FREE memory per GPU when its engine starts, but by then the "
-            f"actor ({gib(plan.actor_bytes)}) and reference ({gib(plan.ref_bytes)}) float32 FSDP shards of "
-            f"{param_count / 1e9:.3g}B parameters over {cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node} GPU(s) "
-            f"plus ~{gib(plan.overhead_bytes)} of CUDA/NCCL overhead hold {gib(plan.resident_bytes)}: use at "
-            f"most {plan.max_utilization:.2f} (vLLM's value is a fraction of total memory, not of what is free)"
+            f"{gib(plan.requested_bytes)} of FREE memory per GPU, but beside it the float32 parameter shards "
+            f"of the actor ({gib(plan.actor_bytes)}), reference ({gib(plan.ref_bytes)}){critic} "
+            f"({param_count / 1e9:.3g}B parameters; actor fsdp_size={fsdp} over "
+            f"{cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node} GPU(s)) plus ~{gib(plan.overhead_bytes)} of "
+            f"CUDA/NCCL overhead hold {gib(plan.resident_bytes)}: use at most {plan.max_utilization:.2f} "
+            "(vLLM's value is a fraction of total memory, not of what is free)"
         )
     # With kv_cache_memory_bytes vLLM takes that size and skips the budget; without it the KV cache
     # is what remains of the requested memory after vLLM's own weights (and activations).
@@ -136,4 +161,7 @@ def check_rollout_gpu_memory_at_start(cfg: BallastConfig) -> Optional[RolloutMem
     params = checkpoint_param_count(cfg.actor_rollout_ref.model.path) if total else None
     if not total or not params:
         return None
-    return check_rollout_gpu_memory(cfg, params, total)
+    critic_params = None
+    if uses_critic(cfg) and cfg.critic.model.path != cfg.actor_rollout_ref.model.path:
+        critic_params = checkpoint_param_count(cfg.critic.model.path)
+    return check_rollout_gpu_memory(cfg, params, total, critic_params)

@@ -1,7 +1,8 @@
 """Frozen engine and rollout specs built from config values, their errors named by config key.
 
-The engine and rollout layers own the rules about their specs and raise `SpecError` naming the spec
-field; only the trainer knows which config key fed that field. `build` re-raises such an error as a
+The engine, rollout and data layers own the rules about their specs and settings and raise an error
+naming the field (`SpecError`; the data layer's `SettingError`); only the trainer knows which config
+key fed that field. `build` re-raises such an error as a
 `ConfigError` that starts with the key, so each rule is stated once, by the layer that owns it, and
 is still reported in the terms of the config the user wrote.
 """
@@ -24,7 +25,7 @@ def build(keys: Mapping[str, str], make: Callable[..., T], *args, **kwargs) -> T
     try:
         return make(*args, **kwargs)
     except ValueError as err:
-        # `SpecError` is matched by its `field` rather than imported: importing `ballast.engine` loads
+        # The error is matched by its `field` rather than its class: importing `ballast.engine` loads
         # torch and transformers, and the config package stays quick to import without them.
         field = getattr(err, "field", None)
         if field not in keys:

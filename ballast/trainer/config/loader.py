@@ -16,7 +16,9 @@ from typing import Iterable, Optional
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ballast.trainer.config.schema import BallastConfig
+from ballast.trainer.config.overrides import ambiguous_overrides
+from ballast.trainer.config.schema import BallastConfig, Choice
+from ballast.trainer.config.schema.choice import values
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
@@ -36,6 +38,7 @@ def compose(overrides: Iterable[str] = (), config_name: str = "ppo_trainer") -> 
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
 
+    _refuse_ambiguous(overrides)
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
     try:
@@ -57,6 +60,7 @@ def _as_path_list(value) -> Optional[list]:
 
 def to_typed(cfg: DictConfig) -> BallastConfig:
     """Check `cfg` against the schema (unknown keys, wrong types, missing values) and freeze it."""
+    _refuse_ambiguous(_command_line_overrides())
     try:
         plain = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except OmegaConfBaseException as err:
@@ -75,6 +79,19 @@ def to_typed(cfg: DictConfig) -> BallastConfig:
     except OmegaConfBaseException as err:
         raise ConfigError(_describe(err)) from err
     return _freeze(typed, BallastConfig)
+
+
+def _refuse_ambiguous(overrides) -> None:
+    messages = ambiguous_overrides(overrides)
+    if messages:
+        raise ConfigError(messages[0])
+
+
+def _command_line_overrides() -> list:
+    """The overrides of the running `@hydra.main` command line (none outside one)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
 @functools.lru_cache(maxsize=None)
@@ -103,4 +120,20 @@ def _describe(err: OmegaConfBaseException) -> str:
     text = str(err).splitlines()[0]
     if "Missing mandatory value" in text and key:
         return f"{key} must be set (it has no default), e.g. {key}=..."
+    kind = _field_type(key) if key else None
+    if isinstance(kind, type) and issubclass(kind, Choice):
+        return f"{key}={getattr(err, 'value', None)!r} is not one of {', '.join(map(repr, values(kind)))}"
     return f"{key}: {text}" if key else text
+
+
+def _field_type(key: str):
+    """The schema's type of the dotted `key` (Optional unwrapped), or None when the schema has no such key."""
+    kind = BallastConfig
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(kind):
+            return None
+        kind = typing.get_type_hints(kind).get(part)
+        args = [a for a in typing.get_args(kind) if a is not type(None)]
+        if typing.get_origin(kind) is typing.Union and len(args) == 1:
+            kind = args[0]
+    return kind

@@ -1,37 +1,38 @@
-"""Start-up validation: names, ranges and cross-key rules that a typed schema cannot express.
+"""Start-up rules on the config that neither its schema nor the sizes and specs built from it express.
 
-Everything here runs on the driver before any Ray actor exists, so an invalid config never reaches
-a worker. Each rule is checked once, by its owner: batch divisibility lives with the sizes it
-protects (`derived.py`); what the engine, rollout and data loader require of their own settings is
-checked by them, when `check_config` builds their specs here, and reported with the config key
-(`keys.py`). What is left in this file are rules about keys only the trainer reads.
+Everything here runs on the driver before any Ray actor exists, so an invalid config never reaches a
+worker. Each rule is stated once, by its owner: a value outside a field's choices is refused by the
+loader (the schema types it); batch divisibility lives with the sizes it protects (`derived.py`);
+FSDP sections with their resolution (`fsdp.py`); what the engine, rollout and data loader require of
+their own settings is checked by them when `ballast.trainer.run.run_plan.plan_run` builds their specs,
+and reported with the config key (`keys.py`); registered names (advantage estimators, losses,
+loggers) by `plan_run` against the registries. What is left here are rules about keys only the
+trainer reads; `check_rules` runs them all.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Iterable, Literal, Optional, get_args
+from typing import Iterable
 
-from ballast.trainer.config.derived import DerivedSizes, derive_sizes, uses_critic
+from ballast.trainer.config.derived import uses_critic
+from ballast.trainer.config.fsdp import check_fsdp
 from ballast.trainer.config.loader import ConfigError
-from ballast.trainer.config.model_info import ModelInfo
-from ballast.trainer.config.schema import BallastConfig, OptimSection
+from ballast.trainer.config.schema import BallastConfig, OptimSection, ResumeMode
+from ballast.trainer.config.schema.choice import values
 
-# Allowed values of keys only the trainer reads; the other sets are imported from their owners.
-Strategy = Literal["fsdp2"]
-RolloutMode = Literal["sync", "async"]
-RewardManagerName = Literal["naive", "dapo"]
-ResumeMode = Literal["auto", "disable", "resume_path"]
-STRATEGIES = get_args(Strategy)
-RESUME_MODES = get_args(ResumeMode)
 # `flops` is a FlopsModel built from the actor's HF config; the named workloads are balance's.
 BALANCE_WORKLOADS = ("flops",)
-# Until the real step count is known (the data is read after this check), specs are built with this
-# many steps; `training_session` builds them again with the real count before Ray starts.
-PROVISIONAL_TOTAL_STEPS = 1 << 30
 
 
-def _one_of(key: str, value, allowed: Iterable) -> None:
+def check_rules(cfg: BallastConfig) -> None:
+    """Raise `ConfigError`, naming the keys, for the first rule `cfg` breaks."""
+    _check_choices(cfg)
+    _check_ranges(cfg)
+    _check_rules(cfg)
+
+
+def one_of(key: str, value, allowed: Iterable) -> None:
     allowed = tuple(allowed)
     if value not in allowed:
         raise ConfigError(f"{key}={value!r} is not one of {', '.join(map(repr, allowed))}")
@@ -47,69 +48,33 @@ def _in_unit(key: str, value: float, allow_zero: bool = False) -> None:
         raise ConfigError(f"{key}={value!r} must be in {'[0' if allow_zero else '(0'}, 1]")
 
 
-def check_config(cfg: BallastConfig, model: Optional[ModelInfo] = None) -> DerivedSizes:
-    """Validate `cfg` (and its fit to `model`, when known) and return the derived sizes."""
-    # Imported here: they load torch, and the config package is imported by tools that need neither.
-    from ballast.trainer.algorithms import registered_names
-    from ballast.trainer.builders import worker_specs
-
-    names = registered_names()
-    _check_names(cfg, names)
-    _check_ranges(cfg)
-    _check_rules(cfg)
-    sizes = derive_sizes(cfg, model)
-    gen = cfg.data.gen_batch_size
-    if gen is not None and gen * cfg.actor_rollout_ref.rollout.n % sizes.rollout_dp:
-        raise ConfigError(f"data.gen_batch_size * actor_rollout_ref.rollout.n = {gen * cfg.actor_rollout_ref.rollout.n} "
-                          f"samples must divide over the {sizes.rollout_dp} rollout workers")
-    worker_specs(cfg, sizes, cfg.trainer.total_training_steps or PROVISIONAL_TOTAL_STEPS)
-    return sizes
-
-
-def _check_names(cfg: BallastConfig, names: dict) -> None:
+def _check_choices(cfg: BallastConfig) -> None:
+    """Values the schema lets through (verl's, or any string) that Ballast does not run."""
     from ballast.balance.workload import WORKLOAD_NAMES
-    from ballast.data.dataset import TRUNCATION_MODES
     from ballast.engine.config import LR_SCHEDULES
-    from ballast.trainer.algorithms.kl import make_kl_controller
-    from ballast.trainer.tracking import LOGGERS
 
     arr, actor, t = cfg.actor_rollout_ref, cfg.actor_rollout_ref.actor, cfg.trainer
-    _one_of("algorithm.adv_estimator", cfg.algorithm.adv_estimator, names["adv_estimator"])
-    _one_of("actor_rollout_ref.actor.policy_loss.loss_mode", actor.policy_loss.loss_mode, names["policy_loss"])
-    _one_of("actor_rollout_ref.actor.loss_agg_mode", actor.loss_agg_mode, names["loss_agg_mode"])
-    _one_of("critic.loss_agg_mode", cfg.critic.loss_agg_mode, names["loss_agg_mode"])
-    _one_of("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type, names["kl_penalty"])
-    _one_of("algorithm.kl_penalty", cfg.algorithm.kl_penalty, names["kl_penalty"])
-    kl = cfg.algorithm.kl_ctrl
-    try:  # the controller checks its own type and settings, naming the keys
-        make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
     for key, strategy in (("actor_rollout_ref.actor.strategy", actor.strategy), ("critic.strategy", cfg.critic.strategy)):
         if strategy == "fsdp":
             raise ConfigError(
                 f"{key}='fsdp' is verl's FSDP1 wrapper, which Ballast does not implement; Ballast's engine is "
                 f"FSDP2: set {key}=fsdp2 (the same sharded data-parallel training)"
             )
-        _one_of(key, strategy, STRATEGIES)
     for prefix, optim in (("actor_rollout_ref.actor.optim", actor.optim), ("critic.optim", cfg.critic.optim)):
         if optim.warmup_style is not None:
             # warmup_style overrides it, so the engine never sees (and checks) this one.
-            _one_of(f"{prefix}.lr_scheduler_type", optim.lr_scheduler_type, LR_SCHEDULES)
+            one_of(f"{prefix}.lr_scheduler_type", optim.lr_scheduler_type, LR_SCHEDULES)
     if not arr.hybrid_engine:
         raise ConfigError("actor_rollout_ref.hybrid_engine=False is not supported (verl's PPO trainer requires "
                           "True as well): the actor and rollout always share one process")
-    _one_of("actor_rollout_ref.rollout.mode", arr.rollout.mode, get_args(RolloutMode))
     if arr.rollout.multi_turn.enable and arr.rollout.mode != "async":
         raise ConfigError("actor_rollout_ref.rollout.multi_turn.enable=True needs actor_rollout_ref.rollout.mode=async "
                           "(tool-calling conversations run as agent loops on request-level rollout)")
-    _one_of("data.truncation", cfg.data.truncation, TRUNCATION_MODES)
-    _one_of("trainer.balance_workload", t.balance_workload, WORKLOAD_NAMES + BALANCE_WORKLOADS)
-    for i, name in enumerate(t.logger):
-        _one_of(f"trainer.logger[{i}]", name, LOGGERS)
-    if t.resume_mode not in RESUME_MODES and not os.path.isdir(os.path.expanduser(t.resume_mode)):
+    one_of("trainer.balance_workload", t.balance_workload, WORKLOAD_NAMES + BALANCE_WORKLOADS)
+    modes = values(ResumeMode)
+    if t.resume_mode not in modes and not os.path.isdir(os.path.expanduser(t.resume_mode)):
         raise ConfigError(
-            f"trainer.resume_mode={t.resume_mode!r} is not one of {', '.join(map(repr, RESUME_MODES))} "
+            f"trainer.resume_mode={t.resume_mode!r} is not one of {', '.join(map(repr, modes))} "
             "and not an existing checkpoint directory"
         )
     if t.resume_mode == "resume_path" and not t.resume_from_path:
@@ -169,50 +134,8 @@ def _check_ranges(cfg: BallastConfig) -> None:
         )
 
 
-def _check_fsdp_size(key: str, size, world: int) -> None:
-    """`size` is an int the engine's rule accepts for `world` workers (`ballast.engine.dist.resolve_shard_size`)."""
-    from ballast.engine.dist import resolve_shard_size
-
-    try:
-        if isinstance(size, bool) or not isinstance(size, int):
-            raise ValueError(size)
-        resolve_shard_size(size, world)
-    except ValueError:
-        raise ConfigError(f"{key}={size!r}: must be -1 (shard over all {world} workers) or an int that divides the "
-                          f"{world} workers (hybrid sharding: {world} / fsdp_size replicas)") from None
-
-
-def _check_offload(cfg: BallastConfig) -> None:
-    """verl's offload switches: each means what verl means, or the run stops here naming the key."""
-    arr = cfg.actor_rollout_ref
-    switches = [
-        ("actor_rollout_ref.actor.fsdp_config", arr.actor.fsdp_config),
-        ("actor_rollout_ref.ref.fsdp_config", arr.ref.fsdp_config), ("critic.fsdp_config", cfg.critic.fsdp_config),
-        ("critic.model.fsdp_config", cfg.critic.model.fsdp_config),
-    ]
-    for prefix, fsdp in switches:
-        on = [k for k in ("param_offload", "optimizer_offload", "offload_policy") if getattr(fsdp, k, False)]
-        if on and cfg.trainer.device == "cpu":
-            raise ConfigError(
-                f"{prefix}.{on[0]}=True offloads from GPU to host memory, but trainer.device=cpu keeps everything "
-                f"in host memory already: set {prefix}.{on[0]}=False"
-            )
-        _check_fsdp_size(f"{prefix}.fsdp_size", getattr(fsdp, "fsdp_size", -1),
-                         cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node)
-        if prefix.endswith("ref.fsdp_config"):
-            continue  # the reference model has no optimizer: param_offload = FSDP2 CPU offload, as verl means it
-        for key in ("param_offload", "optimizer_offload"):
-            if getattr(fsdp, key):
-                raise ConfigError(
-                    f"{prefix}.{key}=True (verl: move the {'parameters' if key == 'param_offload' else 'optimizer states'} "
-                    f"to host memory between phases) is not implemented; {prefix}.offload_policy=True keeps "
-                    "parameters, gradients and optimizer states in host memory (FSDP2 CPU offload)"
-                )
-
-
 def _check_dapo(cfg: BallastConfig) -> None:
     fg, rm = cfg.algorithm.filter_groups, cfg.reward_model
-    _one_of("reward_model.reward_manager", rm.reward_manager, get_args(RewardManagerName))
     if fg.enable and cfg.actor_rollout_ref.rollout.n < 2:
         raise ConfigError("algorithm.filter_groups.enable=True compares the answers of one prompt: "
                           f"actor_rollout_ref.rollout.n={cfg.actor_rollout_ref.rollout.n} must be >= 2")
@@ -235,7 +158,7 @@ def _check_dapo(cfg: BallastConfig) -> None:
 
 
 def _check_rules(cfg: BallastConfig) -> None:
-    _check_offload(cfg)
+    check_fsdp(cfg)
     data, arr = cfg.data, cfg.actor_rollout_ref
     actor, rollout = arr.actor, arr.rollout
     seq = data.max_prompt_length + data.max_response_length

@@ -26,6 +26,9 @@ from ballast.engine.config import DEVICES, Device, SpecError
 Backend = Literal["vllm", "hf"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 BACKENDS: tuple[str, ...] = get_args(Backend)
+# Backends that report the log-prob of every sampled token (`SamplingConfig.calculate_log_probs`),
+# aligned with the response tokens: rollout correction needs them.
+BACKENDS_WITH_LOG_PROBS: tuple[str, ...] = ("vllm", "hf")
 DTYPES: tuple[str, ...] = get_args(Dtype)
 
 

@@ -40,6 +40,7 @@ from tensordict import TensorDict
 
 from .base import RolloutConfig, SamplingConfig, resolve_special_tokens, sampling_seed
 from .calls import close_call, open_call
+from .single_device_tp import peer_all_reduce_env, peer_all_reduce_kwargs, tp_peers_hidden
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
@@ -72,6 +73,8 @@ def engine_kwargs(config: RolloutConfig, distributed: bool) -> dict:
             kwargs[key] = getattr(config, key)
     if distributed:
         kwargs["distributed_executor_backend"] = "external_launcher"
+    # TP peers in processes that see one GPU each: no peer-memory all-reduce (see single_device_tp).
+    kwargs.update(peer_all_reduce_kwargs(tp_peers_hidden(on_gpu, distributed, config.tensor_model_parallel_size)))
     if on_gpu:
         kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
         kwargs["enable_sleep_mode"] = config.free_cache_engine
@@ -140,6 +143,8 @@ class VLLMBackend:
         self.on_gpu = config.resolved_device() == "cuda"
         self.distributed = _check_launch_env(config)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ.update(peer_all_reduce_env(tp_peers_hidden(self.on_gpu, self.distributed,
+                                                              config.tensor_model_parallel_size)))
         from vllm import LLM
 
         with _PreservedGlobalRNG():

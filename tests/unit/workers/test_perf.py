@@ -36,3 +36,19 @@ def test_peak_is_measured_on_cpu_and_looked_up_on_gpu(monkeypatch):
     assert perf.peak_flops("cuda") == 989e12
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Some Future GPU")
     assert perf.peak_flops("cuda") is None
+
+
+def test_the_old_log_prob_pass_reports_verls_actor_infer_mfu():
+    """The old-log-prob pass's MFU carries verl's name, `perf/mfu/actor_infer`."""
+    from ballast.protocol import Batch
+    from ballast.workers.actor_rollout_ref import ActorRolloutRefWorker
+
+    worker = ActorRolloutRefWorker(SimpleNamespace(actor_infer=None, temperature=1.0))
+    worker.actor = _engine()
+    worker.actor.infer_batch = lambda data, spec, **kw: {"log_probs": torch.zeros(2, 2), "entropy": torch.ones(2, 2)}
+    worker._peak_flops = 1e6
+    mask = torch.ones(2, 4, dtype=torch.long)
+    batch = Batch({"input_ids": mask, "attention_mask": mask, "position_ids": mask.cumsum(-1)})
+    out = worker.compute_log_prob(batch, SimpleNamespace(mini_batches=[None]))
+    assert set(out.metrics) == {"perf/mfu/actor_infer"}
+    assert out.metrics["perf/mfu/actor_infer"][0] > 0

@@ -3,9 +3,12 @@
 `ballast/configs/ppo_trainer.yaml` holds the defaults; these frozen dataclasses hold the types and,
 in the docstring under each field, what the key means. The fields deliberately have no defaults of
 their own, so the yaml is the one place a default lives and a key missing from it is caught by the
-schema test. The loader merges the yaml into this schema (unknown keys and wrong types fail there,
-naming the key) and converts it into these objects, which are never mutated afterwards. One module
-per section; this one holds the root.
+schema test. The loader merges the yaml into this schema (unknown keys, wrong types and values outside
+a field's choices fail there, naming the key) and converts it into these objects, which are never
+mutated afterwards. A field with a closed set of values is typed by a `Choice` (`choice.py`); a
+field whose values come from a registry (advantage estimators, policy losses, KL estimators, loggers,
+balance workloads) or whose owner checks it (`trainer.device` and the schedule by the engine, the
+rollout backend and dtype by the rollout) stays a `str`. One module per section; this one holds the root.
 """
 
 from __future__ import annotations
@@ -14,14 +17,15 @@ from dataclasses import dataclass
 
 from ballast.trainer.config.schema.actor import ActorConfig, PolicyLossConfig, RefConfig
 from ballast.trainer.config.schema.algorithm import (
-    AlgorithmConfig, CustomRewardConfig, FilterGroupsConfig, KLControlConfig, OverlongBufferConfig, RewardConfig,
-    RewardModelConfig,
+    AlgorithmConfig, CustomRewardConfig, FilterGroupsConfig, KLControlConfig, KLControlType, OverlongBufferConfig,
+    RewardConfig, RewardManagerName, RewardModelConfig,
 )
-from ballast.trainer.config.schema.critic import CriticConfig, CriticModelConfig, CriticModelFSDPConfig
-from ballast.trainer.config.schema.data import DataConfig
-from ballast.trainer.config.schema.model import FSDPConfig, ModelConfig, OptimSection, RefFSDPConfig
-from ballast.trainer.config.schema.rollout import RolloutSection, ValKwargs
-from ballast.trainer.config.schema.trainer import RayInitConfig, TrainerConfig
+from ballast.trainer.config.schema.choice import Choice
+from ballast.trainer.config.schema.critic import CriticConfig, CriticModelConfig
+from ballast.trainer.config.schema.data import DataConfig, Truncation
+from ballast.trainer.config.schema.model import FSDPConfig, LossAggMode, ModelConfig, OptimSection, Strategy
+from ballast.trainer.config.schema.rollout import RolloutMode, RolloutSection, ValKwargs
+from ballast.trainer.config.schema.trainer import RayInitConfig, ResumeMode, TrainerConfig
 
 
 @dataclass(frozen=True)
@@ -61,8 +65,9 @@ class BallastConfig:
 
 
 __all__ = [
-    "ActorConfig", "ActorRolloutRefConfig", "AlgorithmConfig", "BallastConfig", "CriticConfig", "CriticModelConfig",
-    "CriticModelFSDPConfig", "CustomRewardConfig", "DataConfig", "FSDPConfig", "FilterGroupsConfig", "KLControlConfig",
-    "ModelConfig", "OptimSection", "OverlongBufferConfig", "PolicyLossConfig", "RayInitConfig", "RefConfig",
-    "RefFSDPConfig", "RewardConfig", "RewardModelConfig", "RolloutSection", "TrainerConfig", "ValKwargs",
+    "ActorConfig", "ActorRolloutRefConfig", "AlgorithmConfig", "BallastConfig", "Choice", "CriticConfig",
+    "CriticModelConfig", "CustomRewardConfig", "DataConfig", "FSDPConfig", "FilterGroupsConfig", "KLControlConfig",
+    "KLControlType", "LossAggMode", "ModelConfig", "OptimSection", "OverlongBufferConfig", "PolicyLossConfig",
+    "RayInitConfig", "RefConfig", "ResumeMode", "RewardConfig", "RewardManagerName", "RewardModelConfig",
+    "RolloutMode", "RolloutSection", "Strategy", "TrainerConfig", "Truncation", "ValKwargs",
 ]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional
 
-from ballast.trainer.config.schema.model import FSDPConfig, OptimSection, RefFSDPConfig
+from ballast.trainer.config.schema.model import FSDPConfig, LossAggMode, OptimSection, Strategy
 
 
 @dataclass(frozen=True)
@@ -17,7 +17,7 @@ class PolicyLossConfig:
 
 @dataclass(frozen=True)
 class ActorConfig:
-    strategy: str
+    strategy: Strategy
     """Training backend: `fsdp2` (verl's `fsdp`, FSDP1, is a start-up error asking for `fsdp2`)."""
     ppo_mini_batch_size: int
     """Prompts per optimizer step (times `rollout.n` samples); divides `data.train_batch_size`."""
@@ -51,7 +51,7 @@ class ActorConfig:
     """Upper clip range (1 + high, DAPO's clip-higher); null: `clip_ratio`."""
     clip_ratio_c: float
     """Dual-clip bound for negative advantages (> 1)."""
-    loss_agg_mode: str
+    loss_agg_mode: LossAggMode
     """`token-mean`, `seq-mean-token-sum`, `seq-mean-token-mean` or `seq-mean-token-sum-norm`."""
     loss_scale_factor: Optional[float]
     """Horizon of `seq-mean-token-sum-norm`; null: the response width."""
@@ -91,5 +91,6 @@ class RefConfig:
     """Dynamic token budget per device of the reference log-prob pass."""
     ulysses_sequence_parallel_size: int
     """The reference model's Ulysses SP group size."""
-    fsdp_config: RefFSDPConfig
-    """The reference model's FSDP2 sharding and offload."""
+    fsdp_config: FSDPConfig
+    """The reference model's FSDP2 offload (`param_offload` or `offload_policy`: FSDP2 CPU offload) and
+    resharding; a null field is the actor's."""

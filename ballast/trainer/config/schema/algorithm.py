@@ -4,7 +4,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
+
+from ballast.trainer.config.schema.choice import choice
+
+# verl's reward managers Ballast has (`ballast.trainer.step.reward.REWARD_MANAGERS`; a test keeps the two equal).
+RewardManagerName = choice("RewardManagerName", __name__, "naive", "dapo")
+# The in-reward KL coefficient's controllers (`ballast.trainer.algorithms.kl`; a test keeps the two equal).
+KLControlType = choice("KLControlType", __name__, "fixed", "adaptive")
 
 
 @dataclass(frozen=True)
@@ -29,7 +36,7 @@ class OverlongBufferConfig:
 
 @dataclass(frozen=True)
 class RewardModelConfig:
-    reward_manager: str
+    reward_manager: RewardManagerName
     """`naive` or `dapo` (verl's managers): `dapo` records a plain-number score as `acc` and applies the overlong buffer."""
     overlong_buffer: OverlongBufferConfig
     """DAPO's overlong reward shaping."""
@@ -43,7 +50,7 @@ class RewardConfig:
 
 @dataclass(frozen=True)
 class KLControlConfig:
-    type: str
+    type: KLControlType
     """In-reward KL coefficient: `fixed` or `adaptive`."""
     kl_coef: float
     """(Initial) KL coefficient."""
@@ -64,6 +71,24 @@ class FilterGroupsConfig:
 
 
 @dataclass(frozen=True)
+class RolloutCorrectionConfig:
+    rollout_is: Optional[str]
+    """Importance weights for the rollout/training mismatch: null (none), `token` or `sequence` (docs/rollout_correction.md)."""
+    rollout_is_threshold: Any
+    """A number: truncate weights above it (TIS); `"lower_upper"`, e.g. `"0.5_5.0"`: zero them outside (IcePop)."""
+    rollout_is_batch_normalize: bool
+    """Divide the weights by their mean over the mini-batch (all DP ranks); needs `rollout_is`."""
+    rollout_rs: Optional[str]
+    """Rejection: comma-separated `token_k1..3`, `seq_sum_k1..3`, `seq_mean_k1..3`, `seq_max_k2/k3`; null: none."""
+    rollout_rs_threshold: Any
+    """One bound per `rollout_rs` option (or one for all): `"lower_upper"` ratio bounds for k1, an upper bound for k2/k3."""
+    bypass_mode: bool
+    """Use the rollout's log-probs as the old policy (no old-log-prob pass); false: decoupled (three policies)."""
+    loss_type: str
+    """Bypass mode's loss: `ppo_clip` (the ratio to the rollout policy, clipped) or `reinforce` (explicit weights)."""
+
+
+@dataclass(frozen=True)
 class AlgorithmConfig:
     adv_estimator: str
     """Advantage estimator: `gae`, `grpo`, `rloo`, `reinforce_plus_plus(_baseline)`, `grpo_passk`, `opo`, `gpg`."""
@@ -81,3 +106,5 @@ class AlgorithmConfig:
     """The in-reward KL coefficient's controller."""
     filter_groups: FilterGroupsConfig
     """DAPO's dynamic sampling."""
+    rollout_correction: RolloutCorrectionConfig
+    """verl's rollout correction (importance weights, rejection, decoupled or bypass mode); presets: `+algorithm/rollout_correction=<name>`."""

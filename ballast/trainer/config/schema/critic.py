@@ -5,32 +5,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from ballast.trainer.config.schema.model import FSDPConfig, ModelConfig, OptimSection
-
-
-@dataclass(frozen=True)
-class CriticModelFSDPConfig:
-    """verl's older placement of the critic's FSDP switches (`critic.model.fsdp_config.*`); null: unset."""
-
-    param_offload: Optional[bool]
-    """Older spelling of `critic.fsdp_config.param_offload`."""
-    optimizer_offload: Optional[bool]
-    """Older spelling of `critic.fsdp_config.optimizer_offload`."""
-    offload_policy: Optional[bool]
-    """Older spelling of `critic.fsdp_config.offload_policy`."""
+from ballast.trainer.config.schema.model import FSDPConfig, LossAggMode, ModelConfig, OptimSection, Strategy
 
 
 @dataclass(frozen=True)
 class CriticModelConfig(ModelConfig):
-    fsdp_config: CriticModelFSDPConfig
-    """verl's older placement of `critic.fsdp_config`."""
+    fsdp_config: FSDPConfig
+    """verl's older placement of `critic.fsdp_config`: a field set here (not null) overrides that one."""
 
 
 @dataclass(frozen=True)
 class CriticConfig:
     enable: Optional[bool]
     """Run a critic; null: exactly when `algorithm.adv_estimator=gae`."""
-    strategy: str
+    strategy: Strategy
     """Training backend: `fsdp2`."""
     model: CriticModelConfig
     """The value model (by default the actor's model with a value head)."""
@@ -58,7 +46,7 @@ class CriticConfig:
     """Clip the critic's global gradient norm to this (> 0)."""
     cliprange_value: float
     """Value clip range around the old values (> 0)."""
-    loss_agg_mode: str
+    loss_agg_mode: LossAggMode
     """How token losses aggregate (the actor's values)."""
     loss_scale_factor: Optional[float]
     """Horizon of `seq-mean-token-sum-norm`; null: the response width."""

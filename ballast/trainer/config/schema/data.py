@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from ballast.trainer.config.schema.choice import choice
+
+# The dataset's modes (`ballast.data.TRUNCATION_MODES`; a test keeps the two equal).
+Truncation = choice("Truncation", __name__, "error", "left", "right", "middle", "filter")
+
 
 @dataclass(frozen=True)
 class DataConfig:
@@ -26,7 +31,7 @@ class DataConfig:
     """DAPO: prompts per generation batch with `algorithm.filter_groups`; null: `train_batch_size`."""
     val_batch_size: Optional[int]
     """Validation prompts per generate call; null: the whole validation set at once."""
-    truncation: str
+    truncation: Truncation
     """Overlong prompts: `error`, `left`, `right`, `middle` (first + last half) or `filter` (dropped, counted)."""
     return_raw_chat: bool
     """Accepted for verl compatibility, no effect here: the chat messages are always kept (agent loops read them)."""

@@ -1,9 +1,18 @@
-"""Schema of the sections the actor, reference and critic share: model, optimizer and FSDP settings."""
+"""Schema of the sections the actor, reference and critic share: model, optimizer and FSDP settings,
+and the choices they share (training backend, loss aggregation)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import List, Optional
+
+from ballast.trainer.config.schema.choice import choice
+
+# verl's values; `fsdp` (verl's FSDP1 wrapper) is a start-up error asking for `fsdp2`.
+Strategy = choice("Strategy", __name__, "fsdp", "fsdp2")
+# The engine's aggregations (`ballast.engine.losses.LOSS_AGG_MODES`; a test keeps the two equal).
+LossAggMode = choice("LossAggMode", __name__, "token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                     "seq-mean-token-sum-norm")
 
 
 @dataclass(frozen=True)
@@ -47,26 +56,23 @@ class OptimSection:
 
 @dataclass(frozen=True)
 class FSDPConfig:
-    param_offload: bool
-    """verl: parameters in host memory between phases. Not implemented: true is a start-up error."""
-    optimizer_offload: bool
+    """A role's FSDP2 sharding and offload: `actor_rollout_ref.actor.fsdp_config`, `critic.fsdp_config`,
+    and two placements whose unset (null) fields inherit: `actor_rollout_ref.ref.fsdp_config` from the
+    actor's, `critic.model.fsdp_config` (verl's older spelling) from `critic.fsdp_config`.
+    `ballast.trainer.config.fsdp` resolves and checks them."""
+
+    param_offload: Optional[bool]
+    """verl: parameters in host memory between phases. Not implemented for the actor and critic (true is a
+    start-up error); for the optimizer-less reference model, FSDP2 CPU offload (CUDA only)."""
+    optimizer_offload: Optional[bool]
     """verl: optimizer states in host memory between updates. Not implemented: true is a start-up error."""
-    offload_policy: bool
+    offload_policy: Optional[bool]
     """FSDP2 CPU offload of parameters, gradients and optimizer states (CUDA only)."""
-    reshard_after_forward: bool
+    reshard_after_forward: Optional[bool]
     """Free the gathered parameters after each forward (FSDP2's `reshard_after_forward`)."""
-    fsdp_size: int
+    fsdp_size: Optional[int]
     """Workers that share one sharded copy of the model: -1 (or >= the worker count) shards over every
     worker; k (dividing the worker count) is hybrid sharding, workers / k replicas of a k-way shard with
     gradients summed across them; 1 keeps a whole replica on every worker (no parameter all-gathers and a
-    local weight sync, for models small next to the worker's memory). The reference model uses the actor's."""
-
-
-@dataclass(frozen=True)
-class RefFSDPConfig:
-    param_offload: bool
-    """Keep the reference model's parameters in host memory (FSDP2 CPU offload, CUDA only)."""
-    offload_policy: bool
-    """FSDP2 CPU offload of the reference model (the same as `param_offload` for it)."""
-    reshard_after_forward: bool
-    """Free the gathered parameters after each forward."""
+    local weight sync, for models small next to the worker's memory). The reference model shares the
+    actor's device mesh, so its own value can only repeat the actor's."""

@@ -6,6 +6,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ballast.trainer.config.schema.agent import AgentSection, MultiTurnSection
+from ballast.trainer.config.schema.choice import choice
+
+# verl's values: `sync` (batched generation) and `async` (agent loops on request-level rollout).
+RolloutMode = choice("RolloutMode", __name__, "sync", "async")
 
 
 @dataclass(frozen=True)
@@ -29,7 +33,7 @@ class RolloutSection:
 
     name: str
     """Rollout backend: `vllm` or `hf` (transformers generate)."""
-    mode: str
+    mode: RolloutMode
     """`sync` (one batched generate per call) or `async` (agent loops over request-level rollout:
     every sample is a conversation that advances concurrently; `multi_turn` adds tools)."""
     temperature: float

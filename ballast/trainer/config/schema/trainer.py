@@ -5,6 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional
 
+from ballast.trainer.config.schema.choice import choice
+
+# The named values of `trainer.resume_mode`; the field stays a string because a checkpoint directory
+# is a value too.
+ResumeMode = choice("ResumeMode", __name__, "auto", "disable", "resume_path")
+
 
 @dataclass(frozen=True)
 class TrainerConfig:

@@ -1,0 +1,79 @@
+"""Checks on the run directory and the checkpoint to resume, made on the driver before Ray starts.
+
+`resume_point` turns `trainer.resume_mode` (kept as the user wrote it) into one typed `ResumePoint`:
+the checkpoint directory the run will load, verified against its checksums, or a fresh start.
+`claim_run_dir` locks `trainer.default_local_dir` for this run, resolves the resume point and refuses
+to start a new run on top of an old one (or moves the old one aside when asked), so the driver and the
+workers never look at `resume_mode` or the marker file again.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Tuple
+
+from ballast.trainer.run.checkpoints import (
+    CheckpointError, CheckpointManager, ResumePoint, choose_checkpoint, verify_checkpoint,
+)
+from ballast.trainer.config import BallastConfig
+from ballast.trainer.config.schema import TrainerConfig
+from ballast.trainer.run.run_dir import RunDirLock, check_fresh_start, lock_run_dir
+
+
+def claim_run_dir(cfg: BallastConfig) -> Tuple[ResumePoint, RunDirLock]:
+    """(where the run starts, the held lock on its directory).
+
+    Raises `RunDirError` (directory busy, unusable, or holding a run this one would start on top of:
+    `disable`, `auto` without a complete checkpoint, a checkpoint of another directory) or
+    `CheckpointError` (the checkpoint named explicitly fails verification); both name the directory
+    and what to do.
+    """
+    t = cfg.trainer
+    lock = lock_run_dir(t.default_local_dir)
+    try:
+        point = resume_point(t)
+        moved = check_fresh_start(t.default_local_dir, t.resume_mode, point.checkpoint, t.move_old_run_aside)
+        if moved:
+            _say(f"moved the run that was in {t.default_local_dir!r} to {moved!r} (trainer.move_old_run_aside=true"
+                 f"{'; it had no complete checkpoint to continue from' if t.resume_mode == 'auto' else ''})")
+        if not point.fresh:
+            CheckpointManager(t.default_local_dir).warn_if_low_on_space()
+    except BaseException:
+        lock.release()
+        raise
+    return point, lock
+
+
+def resume_point(t: TrainerConfig) -> ResumePoint:
+    """Where a run with these `trainer` settings starts (see `choose_checkpoint` for `auto`)."""
+    mode = t.resume_mode
+    if mode == "disable":
+        return ResumePoint()
+    if mode == "auto":
+        path, warnings = choose_checkpoint(os.path.abspath(os.path.expanduser(t.default_local_dir)), verify=True)
+        for line in warnings:
+            _say(f"warning: {line}")
+        return ResumePoint() if path is None else _point(path)
+    path = os.path.abspath(os.path.expanduser(t.resume_from_path if mode == "resume_path" else mode))
+    problem = verify_checkpoint(path)
+    if problem is not None:
+        intact, _ = choose_checkpoint(os.path.dirname(path.rstrip(os.sep)), verify=True)
+        hint = (f"the newest intact checkpoint beside it is {intact!r} (trainer.resume_from_path={intact})"
+                if intact and intact != path else "no intact checkpoint beside it")
+        raise CheckpointError(f"cannot resume from {path!r}: {problem}; {hint}, or start over with "
+                              "trainer.resume_mode=disable in a new trainer.default_local_dir")
+    return _point(path)
+
+
+def _point(path: str) -> ResumePoint:
+    try:
+        step = int(CheckpointManager.read_state(path)["global_step"])
+    except (OSError, ValueError, KeyError, TypeError) as err:  # a checkpoint from before checksums existed
+        raise CheckpointError(f"cannot resume from {path!r}: its trainer_state.json is unreadable "
+                              f"({type(err).__name__}: {err})") from None
+    return ResumePoint(path.rstrip(os.sep), step)
+
+
+def _say(line: str) -> None:
+    print(f"ballast: {line}", file=sys.stderr, flush=True)

@@ -1,0 +1,92 @@
+"""Creating the worker groups of a run: one resource pool, the colocated actor/rollout/ref group and,
+for PPO, a critic group sharing the same devices."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+from ballast.balance import PlanObjective
+from ballast.single_controller import RayWorkerGroup, ResourcePool
+from ballast.trainer.run.builders import WorkerSpecs
+from ballast.trainer.config import BallastConfig, DerivedSizes
+from ballast.trainer.step.plans import phase_objectives
+from ballast.trainer.run.tracking import worker_log_dir
+from ballast.workers.actor_rollout_ref import ActorRolloutRefWorker
+from ballast.workers.critic import CriticWorker
+
+# Passed to every worker process: in-process vLLM engines, caches inside the run, no telemetry.
+WORKER_ENV_DEFAULTS = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_NO_USAGE_STATS": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "VLLM_LOGGING_LEVEL": "ERROR",
+}
+# Forwarded when set on the driver (also to workers of a Ray cluster started elsewhere); NCCL_DEBUG makes
+# NCCL log its set-up into the workers' logs, which scripts/gpu_smoke.sh checks.
+FORWARDED_ENV = ("VLLM_CACHE_ROOT", "VLLM_LOGGING_LEVEL", "TORCHINDUCTOR_CACHE_DIR", "BALLAST_CACHE_DIR", "HF_HOME", "TMPDIR",
+                 "NCCL_DEBUG")
+
+
+def worker_env() -> dict:
+    env = dict(WORKER_ENV_DEFAULTS)
+    env.update({k: os.environ[k] for k in list(WORKER_ENV_DEFAULTS) + list(FORWARDED_ENV) if k in os.environ})
+    return env
+
+
+@dataclass
+class Workers:
+    pool: ResourcePool
+    actor_rollout: RayWorkerGroup
+    critic: Optional[RayWorkerGroup]
+    # The planning objective of each (role, backward) phase, from how its engine synchronises.
+    objectives: Dict[tuple, PlanObjective] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return self.actor_rollout.world_size
+
+    def shutdown(self) -> None:
+        for group in (self.critic, self.actor_rollout):
+            if group is not None:
+                group.kill()
+        self.pool.remove()
+
+
+def create_workers(cfg: BallastConfig, sizes: DerivedSizes, specs: WorkerSpecs) -> Workers:
+    t = cfg.trainer
+    use_gpu = t.device == "cuda" or (t.device == "auto" and _cuda_available())
+    pool = ResourcePool([t.n_gpus_per_node] * t.nnodes, use_gpu=use_gpu, cpus_per_process=1.0,
+                        name=f"ballast_{os.getpid()}", ready_timeout_s=cfg.ray_init.timeout_s)
+    share = 0.5 if sizes.use_critic else 1.0
+    env = worker_env()
+    logs = worker_log_dir(t.default_local_dir)
+    actor = RayWorkerGroup(pool, ActorRolloutRefWorker, init_args=(specs.actor_rollout_ref,),
+                           name="actor_rollout_ref", device_share=share, env=env, timeout_s=t.worker_timeout_s,
+                           log_dir=logs)
+    critic = None
+    if sizes.use_critic:
+        critic = RayWorkerGroup(pool, CriticWorker, init_args=(specs.critic,), name="critic",
+                                device_share=share, env=env, timeout_s=t.worker_timeout_s, log_dir=logs)
+    engines = {"actor": specs.actor_rollout_ref.actor, "ref": specs.actor_rollout_ref.ref,
+               "critic": specs.critic.critic if specs.critic is not None else None}
+    objectives = phase_objectives({k: v for k, v in engines.items() if v is not None}, pool.world_size,
+                                  "cuda" if use_gpu else "cpu")
+    workers = Workers(pool, actor, critic, objectives)
+    # Each group forms its own torch.distributed world; initialise them one after the other.
+    actor.init_model()
+    if critic is not None:
+        critic.init_model()
+    return workers
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
