@@ -1,7 +1,9 @@
 """rollout.mode=async through the whole driver loop: single-turn agent loops train exactly like batched
 rollouts, and tool-agent runs (tools declared in a yaml) report their agent metrics, validation too,
-and run rollout correction on whole conversations (the rollout's log-probs of the sampled tokens equal
-the actor's; tool tokens are masked out of both)."""
+and run rollout correction (the rollout's log-probs of the sampled tokens equal the actor's). The tiny
+random model writes no tool calls, so tool tokens inside a response are covered below this level:
+tests/unit/agent_loop/test_rollout_correction_alignment.py (no correction reads a masked tool token)
+and tests/distributed/vllm/test_vllm_async.py (multi-turn rollout log-probs equal teacher-forced ones)."""
 
 import math
 
@@ -63,9 +65,7 @@ def test_tool_agent_run_reports_agent_metrics_and_corrects_rollouts(session, tmp
                                                               "max_user_turns"))
     assert reasons == pytest.approx(1.0)
     assert metrics["agent/tokenization_mismatch/frac"] == 0.0
-    assert metrics["response_length/tool_tokens/mean"] > 0  # conversations with tool tokens were corrected
     corr = [k for k in RC_METRICS if not math.isfinite(metrics.get(k, math.nan))]
     assert not corr, corr
-    # a tool token's rollout log-prob (0) compared with the actor's would show here: only sampled ones count
     assert metrics["training/rollout_actor_log_prob_diff/max"] < 1e-3
     assert metrics["rollout_corr/rollout_rs_masked_fraction"] == 0.0 and metrics["rollout_corr/kl"] < 1e-4
