@@ -55,14 +55,15 @@ def make_work(args) -> list[dict]:
     return work
 
 
-def build_engine(args):
+def build_engine(args, work: list[dict]):
     from ballast.models import build_tiny_model
     from ballast.workers.rollout import RolloutConfig, SamplingConfig, build_backend
     from ballast.workers.rollout.async_engine import make_core
 
     model = str(build_tiny_model(os.path.join(args.cache, "agent_bench_tiny"), preset=args.preset, seed=0))
     sampling = SamplingConfig(max_response_length=args.long[1], seed=args.seed, ignore_eos=True)
-    longest = 32 + (args.max_calls + 1) * (args.long[1] + args.tool_tokens)
+    # the longest conversation of this work (a bound from the ranges alone can pass the model's 2048 positions)
+    longest = max(len(w["prompt"]) + sum(w["turns"]) + (len(w["turns"]) - 1) * args.tool_tokens for w in work)
     cfg = RolloutConfig(model_path=model, backend=args.backend, device="cpu", max_model_len=longest + 8,
                         kv_cache_memory_bytes=256 << 20, max_num_seqs=max(64, args.conversations),
                         block_size=32 if args.backend == "vllm" else None, sampling=sampling)
@@ -152,7 +153,7 @@ def main() -> None:
     args = p.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     work = make_work(args)
-    new_core = build_engine(args)
+    new_core = build_engine(args, work)
     executor, call = make_tools(args.tool_latency_s)
     tool_ids = list(range(50, 50 + args.tool_tokens))
     runs = {"async": [], "batched": []}

@@ -90,7 +90,7 @@ async def run_expression(expression: str, *, timeout_s: float = 5.0, memory_byte
             output, truncated, timed_out = await _collect(proc, request.encode(), timeout_s, max_output_bytes)
         finally:
             _kill_group(proc)
-            await proc.wait()
+            await _drain_and_reap(proc)
     return SandboxResult(output, proc.returncode, timed_out, truncated, time.perf_counter() - start)
 
 
@@ -117,6 +117,23 @@ async def _collect(proc, request: bytes, timeout_s: float, cap: int) -> tuple[by
         size += len(chunks[-1])
         if size >= cap:
             return b"".join(chunks), True, False
+
+
+async def _drain_and_reap(proc, limit_s: float = 5.0) -> None:
+    """Close its stdin, read the killed child's stdout to its end, then reap it. asyncio's `wait()`
+    returns only once every pipe is closed too, and a reader that stopped at the output cap leaves
+    the transport paused with a full buffer: it would never see the end of the pipe, and `wait()`
+    would never return."""
+    async def finish():
+        proc.stdin.close()  # closing twice is harmless; a child that died before reading left it open
+        while await proc.stdout.read(1 << 16):
+            pass
+        await proc.wait()
+
+    try:
+        await asyncio.wait_for(finish(), limit_s)
+    except asyncio.TimeoutError:  # something else holds the pipe open: leave it to the kill
+        pass
 
 
 def _kill_group(proc) -> None:

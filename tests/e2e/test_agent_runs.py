@@ -32,9 +32,10 @@ def session(tiny_task, e2e_ray, tmp_path):
     return make
 
 
-@pytest.mark.vllm
 def test_single_turn_async_trains_exactly_like_batched_rollouts(session):
-    common = ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.calculate_log_probs=True",
+    # HF rollouts: two vLLM start-ups would double the cost; vLLM's async == batched is checked per
+    # call in tests/distributed/vllm/test_vllm_async.py (and under TP=2 in test_vllm_tp_async.py).
+    common = ["actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.calculate_log_probs=True",
               "trainer.total_training_steps=2"]
     with session("sync", *common) as trainer:
         sync = trainer.fit()
