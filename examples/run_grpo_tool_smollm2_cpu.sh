@@ -9,7 +9,8 @@
 #   bash examples/run_grpo_tool_smollm2_cpu.sh                       # seed 1
 #   SEED=2 RUN_DIR=outputs/smollm2_tool_seed2 bash examples/run_grpo_tool_smollm2_cpu.sh
 #   bash examples/run_grpo_tool_smollm2_cpu.sh trainer.total_training_steps=4   # extra hydra overrides
-# BALLAST_SKIP_SETUP=1 skips scripts/setup.sh (an existing venv).
+# BALLAST_SKIP_SETUP=1 skips scripts/setup.sh (an existing venv). 2048 tokens per micro-batch: at 4096 the
+# float32 logits over the 49152-token vocabulary pushed the two workers past 23 GiB in the first update.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -38,7 +39,7 @@ python -m ballast.trainer.main \
   actor_rollout_ref.rollout.multi_turn.tool_config_path=examples/tools/calculator.yaml \
   actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3 \
   actor_rollout_ref.actor.ppo_mini_batch_size=8 actor_rollout_ref.actor.optim.lr=1e-5 \
-  actor_rollout_ref.actor.use_dynamic_bsz=True actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096 \
+  actor_rollout_ref.actor.use_dynamic_bsz=True actor_rollout_ref.actor.ppo_max_token_len_per_gpu=2048 \
   actor_rollout_ref.model.use_remove_padding=True algorithm.adv_estimator=grpo \
   actor_rollout_ref.actor.fsdp_config.reshard_after_forward=false actor_rollout_ref.actor.fsdp_config.fsdp_size=1 \
   trainer.device=cpu trainer.n_gpus_per_node=2 trainer.balance_batch=True trainer.seed="$SEED" \
