@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     fig, axes = plt.subplots(1, len(PANELS), figsize=(12, 3.6))
     for path in args.metrics:
         rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-        name = Path(path).parent.name
+        # outputs/<run>/metrics.jsonl -> <run>; a copied <run>.metrics.jsonl -> <run>
+        name = Path(path).parent.name if Path(path).name == "metrics.jsonl" else Path(path).name.split(".")[0]
         summary = {"run": name}
         for ax, (key, label) in zip(axes, PANELS):
             points = series(rows, key)
