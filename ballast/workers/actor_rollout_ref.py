@@ -29,6 +29,8 @@ from ballast.workers.on_policy import OldLogProbMode, SelfOldLogProbLoss, rows_a
 from ballast.workers.perf import mfu_metrics, peak_flops
 from ballast.workers.rollout import build_backend, new_tp_group, tp_generate
 from ballast.workers.rollout.weight_sync import SyncMode, sync_actor, sync_mode
+from ballast.workers.agent_loop.runner import AgentLoopRunner
+from ballast.workers.agent_loop.tp import tp_agent_generate
 from ballast.workers.spec import ActorRolloutRefSpec
 from ballast.workers.sync_check import METRIC_PREFIX as SYNC_CHECK_PREFIX
 from ballast.workers.sync_check import SyncCheck, check_tolerance, probe_tokens
@@ -63,6 +65,7 @@ class ActorRolloutRefWorker(Worker):
         self.actor: Optional[TrainEngine] = None
         self.ref: Optional[TrainEngine] = None
         self.rollout = None
+        self._agents: Optional[AgentLoopRunner] = None  # rollout.mode=async
         self._tp_group = None
         self._weights_stale = False
         self._sync_mode = SyncMode.FULL
@@ -93,6 +96,8 @@ class ActorRolloutRefWorker(Worker):
             if tp > 1:
                 self._tp_group = new_tp_group(tp)
             self.rollout = build_backend(_per_engine_seed(spec.rollout, self.rank // tp))
+            if spec.agent is not None:
+                self._agents = AgentLoopRunner(self.rollout, spec.agent)
             self.rollout.sleep()  # GPU: hand the memory to training until the first generate
         return {"rank": self.rank, "pid": os.getpid(), **self._init_weight_sync()}
 
@@ -140,10 +145,16 @@ class ActorRolloutRefWorker(Worker):
             check[f"{SYNC_CHECK_PREFIX}/seconds"] = time.perf_counter() - start
             metrics.update({k: [v] for k, v in check.items()})
         sampling = self.spec.rollout_val_sampling if validate else None
-        out = tp_generate(self.rollout, prompts.tensors.select(*PROMPT_KEYS), self._tp_group, sampling,
-                          call_index=call_index)
+        non_tensors = dict(prompts.non_tensors)
+        if self._agents is not None:  # request-level rollout: one agent loop per row, all concurrent
+            result = tp_agent_generate(self._agents, prompts, self._tp_group, sampling, call_index=call_index)
+            out = result.tensors
+            non_tensors.update(result.columns)
+        else:
+            out = tp_generate(self.rollout, prompts.tensors.select(*PROMPT_KEYS), self._tp_group, sampling,
+                              call_index=call_index)
         self.rollout.sleep()
-        return Output(Batch(out, non_tensors=prompts.non_tensors, meta=dict(prompts.meta)), metrics)
+        return Output(Batch(out, non_tensors=non_tensors, meta=dict(prompts.meta)), metrics)
 
     # ------------------------------------------------------------------ actor
     def _require(self, engine, role):

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from ballast.engine import EngineConfig
+from ballast.workers.agent_loop.config import AgentLoopSpec
 from ballast.workers.rollout import RolloutConfig, SamplingConfig
 
 
@@ -53,6 +54,8 @@ class ActorRolloutRefSpec:
     rollout_val_sampling: Optional[SamplingConfig]
     ref: Optional[EngineConfig]
     temperature: float = 1.0
+    # rollout.mode=async: agent loops over request-level rollout (None: one batched generate per call)
+    agent: Optional[AgentLoopSpec] = None
     seed: int = 0
     dist_timeout_s: float = 1800.0
     # The reference log-probs come from the actor with its LoRA adapter switched off (no ref engine).
@@ -66,6 +69,8 @@ class ActorRolloutRefSpec:
             raise ValueError("the actor role needs actor_train")
         if self.ref_in_actor and (self.ref is not None or self.actor is None or not self.actor.lora.enabled):
             raise ValueError("ref_in_actor needs an actor with a LoRA adapter and no separate ref engine")
+        if self.agent is not None and self.rollout is None:
+            raise ValueError("agent loops (rollout.mode=async) need the rollout role")
 
 
 @dataclass(frozen=True)

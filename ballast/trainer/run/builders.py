@@ -25,6 +25,7 @@ from ballast.trainer.config.loader import ConfigError
 from ballast.trainer.config.schema import OptimSection
 from ballast.trainer.step.reward import OverlongBuffer
 from ballast.trainer.step.rollout_correction import loss_correction, rollout_correction_settings
+from ballast.workers.agent_loop.config import AgentLoopSpec, MultiTurnConfig
 from ballast.workers.rollout import RolloutConfig, SamplingConfig
 from ballast.workers.spec import ActorRolloutRefSpec, CriticSpec, TrainLoopSpec, WeightSyncSpec
 
@@ -146,6 +147,54 @@ def weight_sync_spec(cfg: BallastConfig, lora: LoraSpec) -> WeightSyncSpec:
     return WeightSyncSpec(layered=r.layered_summon, check=check, check_tolerance=r.weight_sync_check_tolerance)
 
 
+def agent_spec(cfg: BallastConfig) -> Optional[AgentLoopSpec]:
+    """The agent loops' spec for rollout.mode=async (None in sync mode). Loads the declared tools once,
+    so a bad tool yaml or an unknown tool class fails at start-up."""
+    r = cfg.actor_rollout_ref.rollout
+    if r.mode != "async":
+        return None
+    mt = r.multi_turn
+    prefix = f"{ROLLOUT}.multi_turn"
+    keys = {k: f"{prefix}.{k}" for k in ("max_assistant_turns", "max_user_turns", "max_parallel_calls",
+                                           "max_tool_response_length", "tool_response_truncate_side",
+                                           "tokenization_sanity_check_mode", "format", "tool_timeout_s")}
+    multi_turn = build(keys, MultiTurnConfig, enable=mt.enable, max_assistant_turns=mt.max_assistant_turns,
+                       max_user_turns=mt.max_user_turns, tool_config_path=mt.tool_config_path,
+                       max_parallel_calls=mt.max_parallel_calls, max_tool_response_length=mt.max_tool_response_length,
+                       tool_response_truncate_side=mt.tool_response_truncate_side,
+                       tokenization_sanity_check_mode=mt.tokenization_sanity_check_mode, format=mt.format,
+                       tool_timeout_s=mt.tool_timeout_s)
+    a = r.agent
+    default = a.default_agent_loop or ("tool_agent" if mt.enable else "single_turn_agent")
+    model = cfg.actor_rollout_ref.model
+    keys = {"default_agent_loop": f"{ROLLOUT}.agent.default_agent_loop",
+            "max_concurrent_conversations": f"{ROLLOUT}.agent.max_concurrent_conversations",
+            "prompt_length": f"{ROLLOUT}.prompt_length", "response_length": f"{ROLLOUT}.response_length"}
+    return build(keys, AgentLoopSpec, tokenizer_path=model.tokenizer_path or model.path, prompt_length=r.prompt_length,
+                 response_length=r.response_length, multi_turn=multi_turn, default_agent_loop=default,
+                 agent_loop_config_path=a.agent_loop_config_path,
+                 max_concurrent_conversations=a.max_concurrent_conversations)
+
+
+def check_agent_files(spec: AgentLoopSpec) -> None:
+    """Load the tool yaml and the agent-loop yaml once (ConfigError naming the key on failure)."""
+    from ballast.tools import load_tools
+    from ballast.trainer.config import ConfigError
+    from ballast.workers.agent_loop.base import load_agent_loop_config, registered_loops
+
+    try:
+        load_tools(spec.multi_turn.tool_config_path)
+    except ValueError as err:
+        raise ConfigError(f"{ROLLOUT}.multi_turn.tool_config_path: {err}") from None
+    try:
+        loops = {**registered_loops(), **load_agent_loop_config(spec.agent_loop_config_path)}
+    except ValueError as err:
+        raise ConfigError(f"{ROLLOUT}.agent.agent_loop_config_path: {err}") from None
+    if spec.default_agent_loop not in loops:
+        raise ConfigError(f"{ROLLOUT}.agent.default_agent_loop={spec.default_agent_loop!r} is not an agent loop; "
+                          f"registered: {sorted(loops)}")
+
+
 def actor_loss_config(cfg: BallastConfig) -> ActorLossConfig:
     a = cfg.actor_rollout_ref.actor
     return ActorLossConfig(
@@ -175,11 +224,19 @@ def actor_rollout_ref_spec(cfg: BallastConfig, sizes: DerivedSizes, total_steps:
         ref_engine = _engine(cfg, "ref", arr.model, sizes.ref.sp_size, None, OptimConfig(lr=0.0))
     _, val_sampling = sampling_configs(cfg)
     rollout = rollout_config(cfg, actor_engine.lora)
+    agent = agent_spec(cfg)
+    if agent is not None:
+        check_agent_files(agent)
+    if agent is not None and rollout is not None and rollout.max_lora_rank is not None:
+        # agent loops submit requests to the engine themselves, without the adapter's name: they would
+        # sample from the base model while the check probes the served adapter
+        raise ConfigError(f"{ROLLOUT}.mode=async with a LoRA actor needs actor_rollout_ref.model.lora.merge=true "
+                          "(the agent loops' requests do not name the served adapter)")
     return ActorRolloutRefSpec(
         actor=actor_engine, actor_train=train, rollout=rollout,
         rollout_val_sampling=val_sampling, ref=ref_engine, temperature=temperature,
         seed=cfg.trainer.seed, dist_timeout_s=cfg.trainer.worker_timeout_s, ref_in_actor=ref_in_actor,
-        weight_sync=weight_sync_spec(cfg, actor_engine.lora),
+        weight_sync=weight_sync_spec(cfg, actor_engine.lora), agent=agent,
     )
 
 

@@ -111,15 +111,27 @@ class HFBackend:
     ) -> TensorDict:
         call, stop = open_call(self, prompts, sampling, call_index)
         sampling, call_index = call.sampling, call.call_index
-        input_ids, attention_mask = call.input_ids, call.attention_mask
+        seed = None
+        if sampling.do_sample and sampling.seed is not None:
+            seed = sampling_seed(sampling.seed, self.config.engine_index, call_index)
+        responses, log_probs = self.generate_padded(call.input_ids, call.attention_mask, sampling, stop,
+                                                    sampling.max_response_length, seed)
+        return close_call(self, call, stop, responses, log_probs)
 
+    @torch.no_grad()
+    def generate_padded(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, sampling: SamplingConfig,
+                        stop: Sequence[int], max_new_tokens: int, seed: int | None
+                        ) -> tuple[list[list[int]], list[list[float]] | None]:
+        """One transformers `generate` over left-padded rows: (generated ids per row, their log-probs
+        when `sampling.calculate_log_probs`). Rows are not cut at their stop token here (finished rows
+        are padded by generate); callers cut. `seed` seeds an isolated RNG for the whole batch."""
         width = input_ids.shape[1]
         processor = _SamplingProcessor(sampling, width, record=sampling.calculate_log_probs)
         # Fields left unset would be filled from the model's generation config: set them all. The
         # warpers are neutralised because `processor` does temperature/top-k/top-p itself.
         neutral_warpers = dict(temperature=1.0, top_k=0, top_p=1.0) if sampling.do_sample else {}
         gen_config = GenerationConfig(
-            max_new_tokens=sampling.max_response_length,
+            max_new_tokens=max_new_tokens,
             do_sample=sampling.do_sample,
             num_beams=1,
             eos_token_id=list(stop),
@@ -128,7 +140,7 @@ class HFBackend:
             use_cache=True,
             **neutral_warpers,
         )
-        with self._rng(sampling, call_index):
+        with self._rng(seed):
             out = self.model.generate(
                 input_ids=input_ids.to(self.device),
                 attention_mask=attention_mask.to(self.device),
@@ -137,11 +149,11 @@ class HFBackend:
             )
         generated = out.sequences[:, width:]
         log_probs = processor.finish(generated) if sampling.calculate_log_probs else None
-        return close_call(self, call, stop, generated.cpu().tolist(), log_probs)
+        return generated.cpu().tolist(), log_probs
 
-    def _rng(self, sampling: SamplingConfig, call_index: int):
+    def _rng(self, seed: int | None):
         """Seeded, isolated RNG for a sampling call; the caller's global RNG stream is left as it was."""
-        if not sampling.do_sample or sampling.seed is None:
+        if seed is None:
             return contextlib.nullcontext()
         # The generator generate() draws from is the one of the device the model sits on. Parameters
         # always carry an index; a bare "cuda" means the current device, never blindly GPU 0.
@@ -153,7 +165,7 @@ class HFBackend:
         @contextlib.contextmanager
         def seeded():
             with torch.random.fork_rng(devices=devices):
-                torch.manual_seed(sampling_seed(sampling.seed, self.config.engine_index, call_index))
+                torch.manual_seed(seed)
                 yield
 
         return seeded()

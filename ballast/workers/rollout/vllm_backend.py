@@ -192,14 +192,14 @@ class VLLMBackend:
 
         return list(get_tp_group().ranks)
 
-    def _sampling_params(
-        self, sampling: SamplingConfig, stop: tuple[int, ...], num_rows: int, call_index: int
-    ) -> list:
+    def request_params(self, sampling: SamplingConfig, stop: tuple[int, ...], max_tokens: int, seed: int | None):
+        """vLLM `SamplingParams` of one request: `max_tokens` new tokens at most, seeded with `seed`
+        (None: the engine's RNG; ignored for greedy decoding)."""
         from vllm import SamplingParams
 
-        common = dict(
+        kwargs = dict(
             n=1,
-            max_tokens=sampling.max_response_length,
+            max_tokens=max_tokens,
             temperature=sampling.temperature if sampling.do_sample else 0.0,
             top_p=sampling.top_p if sampling.do_sample else 1.0,
             top_k=sampling.top_k if sampling.do_sample else -1,
@@ -210,11 +210,19 @@ class VLLMBackend:
             logprobs=0 if sampling.calculate_log_probs else None,
             detokenize=False,
         )
+        if sampling.do_sample and seed is not None:
+            kwargs["seed"] = seed
+        return SamplingParams(**kwargs)
+
+    def _sampling_params(
+        self, sampling: SamplingConfig, stop: tuple[int, ...], num_rows: int, call_index: int
+    ) -> list:
         if not sampling.do_sample or sampling.seed is None:
-            return [SamplingParams(**common)] * num_rows
+            return [self.request_params(sampling, stop, sampling.max_response_length, None)] * num_rows
         # One seed per row: repeated prompts (n > 1) must differ, and every TP rank must draw alike.
         engine = self.config.engine_index
-        return [SamplingParams(seed=sampling_seed(sampling.seed, engine, call_index, row), **common)
+        return [self.request_params(sampling, stop, sampling.max_response_length,
+                                    sampling_seed(sampling.seed, engine, call_index, row))
                 for row in range(num_rows)]
 
     def generate(

@@ -101,3 +101,12 @@ def test_start_up_report_of_what_a_sync_moves():
                                   "adapter_unavailable": "rank 600 exceeds vLLM's largest LoRA rank"}])
     assert "merged weights" in merged and "rank 600" in merged
     assert "lora.merge=True" in weight_sync_report([{"weight_sync": "merged", "adapter_rank": 8}])
+
+
+def test_agent_loops_with_a_served_adapter_are_refused_and_merged_weights_are_not():
+    # the agent loops' requests do not name the served adapter: they would sample from the base model
+    with pytest.raises(ConfigError, match=r"rollout.mode=async with a LoRA actor needs actor_rollout_ref.model.lora.merge=true"):
+        _plan(*LORA, "actor_rollout_ref.rollout.mode=async")
+    _, plan = _plan(*LORA, "actor_rollout_ref.rollout.mode=async", "actor_rollout_ref.model.lora.merge=True")
+    spec = plan.specs.actor_rollout_ref
+    assert spec.agent is not None and spec.rollout.max_lora_rank is None
