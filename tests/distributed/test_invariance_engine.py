@@ -167,15 +167,16 @@ def _runs(world, sp):
     return runs
 
 
-def _invariance_worker(rank, world, root, model_dir, sp):
+def _invariance_worker(rank, world, root, model_dir, sp, with_lora=True):
     from tensordict import TensorDict
 
     from ballast.engine.dist import build_parallel_state
 
     data_dict = torch.load(os.path.join(root, "data.pt"), weights_only=True)
     data = TensorDict(data_dict, batch_size=[NUM_SAMPLES])
-    refs = {False: torch.load(os.path.join(root, "ref.pt"), weights_only=True),
-            True: torch.load(os.path.join(root, "ref_lora.pt"), weights_only=True)}
+    refs = {False: torch.load(os.path.join(root, "ref.pt"), weights_only=True)}
+    if with_lora:
+        refs[True] = torch.load(os.path.join(root, "ref_lora.pt"), weights_only=True)
     parallel = build_parallel_state(sp, "cpu")
     rows = NUM_SAMPLES // parallel.dp_size
     local = data[parallel.dp_rank * rows : (parallel.dp_rank + 1) * rows]
@@ -185,6 +186,8 @@ def _invariance_worker(rank, world, root, model_dir, sp):
     central_local = data[torch.as_tensor(central.rank_rows(parallel.dp_rank))]
     results = []
     for rmpad, checkpointing, reshard, fsdp_size, spec_names, lora in _runs(world, sp):
+        if lora and not with_lora:
+            continue
         cfg = EngineConfig(
             model_path=model_dir, use_remove_padding=rmpad, ulysses_sequence_parallel_size=sp,
             enable_activation_checkpointing=checkpointing, reshard_after_forward=reshard, fsdp_size=fsdp_size,

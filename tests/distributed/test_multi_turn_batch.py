@@ -48,7 +48,7 @@ def problem(tmp_path_factory):
 @pytest.mark.parametrize("dp, sp", [(2, 1), (1, 2)], ids=lambda v: str(v))
 def test_multi_turn_loss_and_gradient_equal_the_reference(problem, dp, sp):
     root, model_dir = problem
-    spawn_ranks(_invariance_worker, dp * sp, args=(root, model_dir, sp), timeout_s=300)
+    spawn_ranks(_invariance_worker, dp * sp, args=(root, model_dir, sp, False), timeout_s=300)
     with open(os.path.join(root, f"results_{dp * sp}_{sp}.json")) as f:
         results = json.load(f)
     assert results
