@@ -19,6 +19,14 @@ and grad clip, constant schedule, no KL, sampling temperature 1 without top-k/to
 `--workers` CPU worker processes with one thread each (`python -m ballast.trainer.main`, as a user
 runs it); TRL runs in one process with `torch.set_num_threads(workers)`, so both use the same cores.
 
+LoRA (`--lora RANK`): each repeat also runs Ballast with a rank-RANK, alpha-2xRANK all-linear adapter
+(variant `lora`, adapter-only weight sync into vLLM, the weight-sync check on) and, with TRL in
+`--systems` (or `trl_lora` alone, without TRL's full fine-tune), TRL's `GRPOTrainer` with the same PEFT
+adapter (`trl_lora`); the summary's `lora` entry
+gives LoRA against the full fine-tune on the same work (step, update, weight-sync time and each
+worker's peak resident memory, paired per repeat) and against TRL+PEFT. `--lora-lr` sets its learning
+rate (default: the case's).
+
 Each system trains `--warmup + --steps` steps; s/step is the median over the last `--steps`. Ballast's
 phases are the medians of its own `timing_s/*` metrics. MFU: update FLOPs (3 x forward FLOPs of the
 step's tokens, from the model's config) / (update seconds x peak), peak = `--workers` x the best
@@ -39,6 +47,7 @@ compare.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -73,6 +82,8 @@ class Case:
     max_token_len_per_worker: int
     reward: Optional[str] = None  # None: the built-in reward of each row's data_source
     extra_overrides: List[str] = field(default_factory=list)
+    lora_rank: int = 0  # > 0: a LoRA adapter (PEFT, all-linear) instead of full fine-tuning (TRL side)
+    lora_alpha: float = 0.0
     whole_run_steps: int = 30  # the length of a run as a user runs it (`--whole-run`)
 
 
@@ -190,8 +201,9 @@ def run_ballast(case: Case, warmup: int, steps: int, workers: int, overrides: Li
     rows = rows[warmup:]
     med = lambda key: statistics.median(r.get(key, 0.0) for r in rows)  # noqa: E731
     phases = {name: med(f"timing_s/{key}") for name, key in PHASES.items()}
-    # Weight sync runs inside the generate call; report generation without it.
-    phases["generate"] = max(0.0, phases["generate"] - phases["weight_sync"])
+    # Weight sync and its check (LoRA runs) run inside the generate call; report generation without them.
+    phases["sync_check"] = med("rollout/sync_check/seconds")
+    phases["generate"] = max(0.0, phases["generate"] - phases["weight_sync"] - phases["sync_check"])
     step_s = med("timing_s/step")
     phases["other"] = max(0.0, step_s - sum(phases.values()))
     tokens = med("perf/total_num_tokens")
@@ -201,6 +213,8 @@ def run_ballast(case: Case, warmup: int, steps: int, workers: int, overrides: Li
         "tokens_per_step": tokens, "tokens_per_s": tokens / step_s, "samples": samples,
         "response_length_mean": med("response_length/mean"), "score_mean": med("critic/score/mean"),
         "trainer_mfu_actor": med("perf/mfu/actor") if "perf/mfu/actor" in rows[0] else None,
+        # the rank-0 worker's peak resident memory (trainer + vLLM engine), at the last step
+        "max_rss_gb": rows[-1].get("perf/max_rss_gb"),
         "wall_s": wall, "log": log, "overrides": overrides, "source_tree": root, "whole_run": whole,
     }
 
@@ -254,8 +268,15 @@ def trl_main(case: Case, warmup: int, steps: int, threads: int, result_path: str
             marks.append(time.perf_counter())
 
     model = AutoModelForCausalLM.from_pretrained(case.model_dir, dtype=torch.float32)
+    peft_config = None
+    if case.lora_rank > 0:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=case.lora_rank, lora_alpha=case.lora_alpha, target_modules="all-linear",
+                                 lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
-                          processing_class=load_tokenizer(case.model_dir), callbacks=[Clock()])
+                          processing_class=load_tokenizer(case.model_dir), callbacks=[Clock()],
+                          peft_config=peft_config)
     start = time.perf_counter()
     trainer.train()
     k = case.optimizer_steps_per_step
@@ -264,8 +285,11 @@ def trl_main(case: Case, warmup: int, steps: int, threads: int, result_path: str
     # completion lengths, to compare the work done: responses stop at EOS in both systems, and the
     # two policies learn apart, so the generated tokens per step can drift apart over a run
     lengths = [e["completions/mean_length"] for e in trainer.state.log_history if "completions/mean_length" in e]
+    import resource
+
     with open(result_path, "w") as f:
-        json.dump({"per_step_s": per_step, "response_length_mean": lengths[k - 1::k]}, f)
+        json.dump({"per_step_s": per_step, "response_length_mean": lengths[k - 1::k],
+                   "max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}, f)
 
 
 def run_trl(case: Case, warmup: int, steps: int, threads: int, log_dir: str) -> dict:
@@ -287,7 +311,7 @@ def run_trl(case: Case, warmup: int, steps: int, threads: int, log_dir: str) -> 
     return {"s_per_step": statistics.median(per_step), "s_per_step_all": per_step,
             "whole_run": whole_run(out["per_step_s"]),
             "response_length_mean": statistics.median(lengths) if lengths else None,
-            "wall_s": time.perf_counter() - start, "log": log}
+            "max_rss_gb": out.get("max_rss_gb"), "wall_s": time.perf_counter() - start, "log": log}
 
 
 # ------------------------------------------------------------------ driver
@@ -323,7 +347,41 @@ def _median_or_none(values: List[float]) -> Optional[float]:
     return statistics.median(values) if values else None
 
 
-def summarise(case: Case, variants: Dict[str, List[dict]], trl: List[dict], peak_total: float) -> dict:
+def _paired(a_runs: List[dict], b_runs: List[dict], value) -> dict:
+    """Median of a/b over runs paired by repeat (drift hits both alike), with every pair's ratio."""
+    pairs = []
+    for a, b in zip(a_runs, b_runs):
+        x, y = value(a), value(b)
+        if x is not None and y:
+            pairs.append(x / y)
+    return {"median": _median_or_none(pairs), "pairs": pairs}
+
+
+def lora_summary(full: List[dict], lora: List[dict], trl_lora: List[dict]) -> Optional[dict]:
+    """LoRA against the full fine-tune on the same work, and against TRL with the same PEFT adapter."""
+    if not lora:
+        return None
+    med = lambda runs, f: _median_or_none([f(r) for r in runs if f(r) is not None])  # noqa: E731
+    return {
+        "s_per_step": med(lora, lambda r: r["s_per_step"]),
+        "phases": {k: med(lora, lambda r, k=k: r["phases"][k]) for k in lora[0]["phases"]},
+        "max_rss_gb": med(lora, lambda r: r.get("max_rss_gb")),
+        "full_max_rss_gb": med(full, lambda r: r.get("max_rss_gb")),
+        "step_vs_full": _paired(lora, full, lambda r: r["s_per_step"]),
+        "update_vs_full": _paired(lora, full, lambda r: r["phases"]["update"]),
+        "full_sync_vs_lora_sync": _paired(full, lora, lambda r: r["phases"]["weight_sync"]),
+        "rss_vs_full": _paired(lora, full, lambda r: r.get("max_rss_gb")),
+        "trl_lora_s_per_step": med(trl_lora, lambda r: r["s_per_step"]),
+        "trl_lora_max_rss_gb": med(trl_lora, lambda r: r.get("max_rss_gb")),
+        "step_vs_trl_lora": _paired(lora, trl_lora, lambda r: r["s_per_step"]),
+        "response_length_mean": med(lora, lambda r: r["response_length_mean"]),
+        "trl_lora_response_length_mean": med(trl_lora, lambda r: r.get("response_length_mean")),
+    }
+
+
+def summarise(case: Case, variants: Dict[str, List[dict]], trl: List[dict], peak_total: float,
+              trl_lora: Optional[List[dict]] = None) -> dict:
+    trl_lora = trl_lora or []
     out = {"name": case.name, "work": asdict(case), "variants": {}}
     for name, runs in variants.items():
         s = statistics.median(r["s_per_step"] for r in runs)
@@ -357,6 +415,7 @@ def summarise(case: Case, variants: Dict[str, List[dict]], trl: List[dict], peak
     for key in ("tokens_per_s", "mfu_update", "hfu_update", "mfu_log_prob", "floor_s", "over_floor"):
         out[key] = base.get(key)
     out["trl_s_per_step"] = statistics.median(r["s_per_step"] for r in trl) if trl else None
+    out["lora"] = lora_summary(variants.get("default", []), variants.get("lora", []), trl_lora)
     out["ratio_vs_trl"] = out["ballast_s_per_step"] / out["trl_s_per_step"] \
         if trl and out["ballast_s_per_step"] else None
     # each repeat's Ballast run against the TRL run right after it, so slow drift hits both alike
@@ -403,6 +462,9 @@ def main() -> None:
     p.add_argument("--real-optimizer-steps", type=int, default=1)
     p.add_argument("--real-lr", type=float, default=1e-6)
     p.add_argument("--real-max-token-len", type=int, default=4096)
+    p.add_argument("--lora", type=int, default=0, metavar="RANK",
+                   help="also run a rank-RANK all-linear LoRA adapter (Ballast variant `lora`, TRL with PEFT)")
+    p.add_argument("--lora-lr", type=float, help="the LoRA runs' learning rate (default: the case's)")
     p.add_argument("--log-dir", default=os.path.join(ROOT, "outputs", "step_bench"))
     p.add_argument("--_trl", help=argparse.SUPPRESS)
     p.add_argument("--_result", help=argparse.SUPPRESS)
@@ -411,6 +473,10 @@ def main() -> None:
         return trl_main(Case(**json.loads(args._trl)), args.warmup, args.steps, args.workers, args._result)
     os.makedirs(args.log_dir, exist_ok=True)
     variants = {"default": []}
+    if args.lora:  # the case's lr is only known per case: "{lr}" is filled in below
+        variants["lora"] = [f"actor_rollout_ref.model.lora_rank={args.lora}",
+                            f"actor_rollout_ref.model.lora_alpha={2 * args.lora}",
+                            "actor_rollout_ref.model.target_modules=all-linear", "actor_rollout_ref.actor.optim.lr={lr}"]
     for spec in args.variant:
         name, _, rest = spec.partition("=")
         variants[name] = [o for o in rest.split(",") if o]
@@ -436,8 +502,12 @@ def main() -> None:
             raise SystemExit(f"--warmup {args.warmup} leaves no step of the {case.whole_run_steps}-step {case.name} run")
         runs: Dict[str, List[dict]] = {k: [] for k in variants}
         trl: List[dict] = []
+        trl_lora: List[dict] = []
+        lora_lr = args.lora_lr if args.lora_lr is not None else case.lr
+        lora_case = dataclasses.replace(case, lora_rank=args.lora, lora_alpha=2.0 * args.lora, lr=lora_lr)
         for rep in range(args.repeats):
             for name, overrides in variants.items():
+                overrides = [o.replace("{lr}", str(lora_lr)) for o in overrides]
                 if "ballast" in systems:
                     try:
                         peak = matmul_peak_flops(1) * args.workers
@@ -459,9 +529,17 @@ def main() -> None:
                 except RuntimeError as err:
                     print(f"[{case.name}] trl rep {rep} FAILED: {err}", flush=True)
                     result.setdefault("failed_runs", []).append(f"{case.name}/trl/{rep}: {err}")
+            if args.lora and ("trl" in systems or "trl_lora" in systems):
+                try:
+                    trl_lora.append(run_trl(lora_case, args.warmup, steps, args.trl_threads or args.workers,
+                                            args.log_dir))
+                    print(f"[{case.name}] trl_lora rep {rep}: {trl_lora[-1]['s_per_step']:.3f} s/step", flush=True)
+                except RuntimeError as err:
+                    print(f"[{case.name}] trl_lora rep {rep} FAILED: {err}", flush=True)
+                    result.setdefault("failed_runs", []).append(f"{case.name}/trl_lora/{rep}: {err}")
         runs = {k: v for k, v in runs.items() if v}
         if "ballast" in systems and runs:
-            summary = summarise(case, runs, trl, peak_total)
+            summary = summarise(case, runs, trl, peak_total, trl_lora)
         elif trl:
             s = statistics.median(r["s_per_step"] for r in trl)
             summary = {"name": case.name, "ballast_s_per_step": None, "trl_s_per_step": s, "ratio_vs_trl": None,
@@ -473,7 +551,8 @@ def main() -> None:
                                                        "ratio_vs_trl_paired", "ballast_whole_run_s_per_step",
                                                        "trl_whole_run_s_per_step", "whole_run_ratio_vs_trl",
                                                        "ballast_response_length_mean", "trl_response_length_mean",
-                                                       "phases", "mfu_update", "hfu_update", "mfu_log_prob", "floor_s")}, indent=1), flush=True)
+                                                       "phases", "mfu_update", "hfu_update", "mfu_log_prob", "floor_s",
+                                                       "lora")}, indent=1), flush=True)
     result["load_avg_end"] = os.getloadavg()
     if args.json:
         with open(args.json, "w") as f:

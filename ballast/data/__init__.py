@@ -12,6 +12,7 @@ Public API:
     validate_score, load_custom_reward_fn                      # rewards
     gsm8k_rows, convert_gsm8k_file                             # GSM8K preprocessing
     make_arithmetic_rows, write_arithmetic_dataset, arithmetic_score  # real-model arithmetic task
+    make_tool_arithmetic_rows, write_tool_arithmetic_dataset, tool_arithmetic_score  # ... with a calculator
 """
 
 from ballast.data.arithmetic import arithmetic_score, make_arithmetic_rows, write_arithmetic_dataset
@@ -37,6 +38,11 @@ from ballast.data.rewards import (
     validate_score,
 )
 from ballast.data.synthetic import DATA_SOURCE as REPEAT_DATA_SOURCE
+from ballast.data.tool_arithmetic import (
+    make_tool_arithmetic_rows,
+    tool_arithmetic_score,
+    write_tool_arithmetic_dataset,
+)
 from ballast.data.synthetic import make_repeat_rows, write_repeat_dataset
 
 __all__ = [
@@ -67,4 +73,7 @@ __all__ = [
     "REPEAT_DATA_SOURCE",
     "make_repeat_rows",
     "write_repeat_dataset",
+    "make_tool_arithmetic_rows",
+    "tool_arithmetic_score",
+    "write_tool_arithmetic_dataset",
 ]

@@ -8,7 +8,8 @@ dropped by ``truncation="filter"`` are already gone).
 Row format (verl): ``prompt`` (list of ``{"role", "content"}`` messages; a non-empty string is taken
 as one user message), ``data_source`` (str), ``reward_model`` (dict with ``ground_truth``), optional
 ``extra_info`` (dict; ``extra_info["index"]`` is the sample's index, else its row number) and
-``ability``. Row numbers in errors are 0-based within their file.
+``ability`` and ``agent_name`` (the agent loop that plays the row under rollout.mode=async; None: the
+configured default). Row numbers in errors are 0-based within their file.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ logger = logging.getLogger(__name__)
 
 Truncation = Literal["error", "left", "right", "middle", "filter"]
 TRUNCATION_MODES: tuple[str, ...] = get_args(Truncation)
-NON_TENSOR_KEYS = ("data_source", "reward_model", "ground_truth", "extra_info", "index", "ability", "raw_prompt")
+NON_TENSOR_KEYS = ("data_source", "reward_model", "ground_truth", "extra_info", "index", "ability", "raw_prompt",
+                   "agent_name")
 
 
 @dataclass(frozen=True)
@@ -196,7 +198,13 @@ def _parse_row(row: dict, path: Path, i: int, prompt_key: str) -> dict:
         extra_info = {}
     if not isinstance(extra_info, dict):
         raise ValueError(f"{where}: field 'extra_info' must be a dict, got {type(extra_info).__name__}")
+    agent_name = row.get("agent_name")
+    if isinstance(agent_name, float) and agent_name != agent_name:  # a missing cell read as NaN
+        agent_name = None
+    if agent_name is not None and (not isinstance(agent_name, str) or not agent_name):
+        raise ValueError(f"{where}: field 'agent_name' must be a non-empty string or absent, got {agent_name!r}")
     return {
+        "agent_name": agent_name,
         "raw_prompt": messages,
         "data_source": data_source,
         "reward_model": reward_model,

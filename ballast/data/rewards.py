@@ -23,6 +23,7 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 from ballast.data.arithmetic import arithmetic_score
+from ballast.data.tool_arithmetic import tool_arithmetic_score
 
 ScoreFn = Callable[..., "float | dict"]
 
@@ -119,6 +120,7 @@ _REGISTRY: dict[str, ScoreFn] = {
     "ballast/repeat": repeat_score,
     "openai/gsm8k": gsm8k_score,
     "ballast/arithmetic": arithmetic_score,
+    "ballast/tool_arithmetic": tool_arithmetic_score,
 }
 
 

@@ -5,11 +5,16 @@ Layout of a checkpoint directory:
 * `dcp/`: model and optimizer state, sharded as they live on the mesh (every rank writes its shards;
   loading onto the same mesh shape restores them exactly);
 * `engine_state.pt`: LR-scheduler state and step counters (small, identical on all ranks; written by
-  rank 0, read with `weights_only=True`).
+  rank 0, read with `weights_only=True`), and what the engine's LoRA adapter was (None: full weights).
+
+With a LoRA adapter the checkpoint holds the trainable parameters only (the adapter, and a critic's
+value head) and their optimizer state; the frozen base weights come from the model directory again
+on resume. A checkpoint resumes only into an engine with the same adapter layout (or none).
 
 `export_hf` gathers the full weights onto rank 0 (in host memory) and writes a directory that
 `AutoModelForCausalLM.from_pretrained` (or the token-classification class) loads, with the tokenizer
-files copied from the source model directory.
+files copied from the source model directory; with a LoRA adapter, the merged weights, plus the PEFT
+adapter itself in `lora_adapter/`.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.fsdp import FSDPModule
+
+from ballast.engine.lora import ADAPTER_DIR, merged_state, save_adapter
 
 ENGINE_STATE_FILE = "engine_state.pt"
 DCP_DIR = "dcp"
@@ -49,17 +56,20 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def save_checkpoint(path: str, model, optimizer, scheduler, counters: dict[str, int]) -> None:
-    """Save model, optimizer, scheduler and counters under `path`. Collective."""
+def save_checkpoint(path: str, model, optimizer, scheduler, counters: dict[str, int],
+                    adapter: dict | None = None) -> None:
+    """Save model, optimizer, scheduler and counters under `path`. Collective. `adapter`: the engine's
+    LoRA adapter record (None: full weights), saved and checked on load; with one, only the trainable
+    parameters are written."""
     if _rank() == 0:
         os.makedirs(path, exist_ok=True)
     _barrier()
-    state = _state(model, optimizer)
+    state = _state(model, optimizer, trainable_only=adapter is not None)
     try:
         dcp.save(state, checkpoint_id=os.path.join(path, DCP_DIR))
         if _rank() == 0:
             extra = {"scheduler": scheduler.state_dict() if scheduler is not None else None,
-                     "counters": dict(counters)}
+                     "counters": dict(counters), "adapter": adapter}
             torch.save(extra, os.path.join(path, ENGINE_STATE_FILE))
     except Exception as err:
         raise_if_disk_full(err, path)
@@ -79,21 +89,28 @@ def raise_if_disk_full(err: BaseException, path: str) -> None:
                                     f"{type(err).__name__}: {err}") from err
 
 
-def load_checkpoint(path: str, model, optimizer, scheduler) -> dict[str, int]:
-    """Restore what `save_checkpoint` wrote (same mesh shape); returns the counters. Collective."""
+def load_checkpoint(path: str, model, optimizer, scheduler, adapter: dict | None = None) -> dict[str, int]:
+    """Restore what `save_checkpoint` wrote (same mesh shape and adapter); returns the counters. Collective."""
     dcp_dir = os.path.join(path, DCP_DIR)
     extra_file = os.path.join(path, ENGINE_STATE_FILE)
     if not os.path.isdir(dcp_dir) or not os.path.isfile(extra_file):
         raise ValueError(f"{path!r} is not an engine checkpoint (expected {DCP_DIR}/ and {ENGINE_STATE_FILE})")
-    state = _state(model, optimizer)
+    extra = torch.load(extra_file, weights_only=True)
+    saved = extra.get("adapter")
+    if saved != adapter:
+        raise ValueError(f"checkpoint {path!r} was saved with LoRA adapter {_describe_adapter(saved)} but this "
+                         f"engine has {_describe_adapter(adapter)}: resume with the same lora_rank, lora_alpha "
+                         "and target modules")
+    trainable_only = adapter is not None
+    state = _state(model, optimizer, trainable_only)
     dcp.load(state, checkpoint_id=dcp_dir)
     set_state_dict(
         model,
         optimizer if optimizer is not None else [],
         model_state_dict=state["model"],
         optim_state_dict=state.get("optim", {}),
+        options=StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only),
     )
-    extra = torch.load(extra_file, weights_only=True)
     if scheduler is not None:
         if extra["scheduler"] is None:
             raise ValueError(f"checkpoint {path!r} has no scheduler state but this engine has a scheduler")
@@ -101,11 +118,24 @@ def load_checkpoint(path: str, model, optimizer, scheduler) -> dict[str, int]:
     return dict(extra["counters"])
 
 
-def _state(model, optimizer) -> dict:
+def _describe_adapter(record: dict | None) -> str:
+    if record is None:
+        return "none (full weights)"
+    return f"(rank {record['r']}, alpha {record['lora_alpha']}, {len(record['modules'])} modules)"
+
+
+def _state(model, optimizer, trainable_only: bool = False) -> dict:
+    options = StateDictOptions(ignore_frozen_params=trainable_only)
     if optimizer is None:
-        return {"model": get_model_state_dict(model)}
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    return {"model": model_sd, "optim": optim_sd}
+        model_sd, optim_sd = get_model_state_dict(model, options=options), None
+    else:
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+    if trainable_only:
+        # ignore_frozen_params still lets a frozen weight through under a tied alias (lm_head of a model
+        # with tied embeddings: the whole vocabulary matrix); keep exactly the trainable parameters.
+        trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+        model_sd = {name: value for name, value in model_sd.items() if name in trainable}
+    return {"model": model_sd} if optim_sd is None else {"model": model_sd, "optim": optim_sd}
 
 
 def unwrapped_class(model: torch.nn.Module) -> type:
@@ -119,11 +149,16 @@ def unwrapped_class(model: torch.nn.Module) -> type:
     return cls
 
 
-def export_hf(path: str, model, source_dir: str) -> None:
-    """Gather full weights to rank 0 and write a Hugging Face model directory there. Collective."""
+def export_hf(path: str, model, source_dir: str, adapter=None) -> None:
+    """Gather full weights to rank 0 and write a Hugging Face model directory there. Collective.
+    `adapter` (`ballast.engine.lora.Adapter`): the weights written are the merged ones, and the
+    adapter goes to `<path>/lora_adapter` in PEFT's format."""
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if _rank() == 0:
         os.makedirs(path, exist_ok=True)
+        if adapter is not None:
+            save_adapter(os.path.join(path, ADAPTER_DIR), full.items(), adapter)
+            full = dict(merged_state(full.items(), adapter.scalings))
         cls = unwrapped_class(model)
         with torch.device("meta"):
             fresh = cls(model.config)

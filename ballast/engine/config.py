@@ -8,6 +8,7 @@ the trainer can report the config key it came from.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -71,6 +72,61 @@ class OptimConfig:
                 )
 
 
+def _module_names(name: str, value) -> str | tuple[str, ...] | None:
+    """`value` as PEFT takes module selectors: one string (a regex, or `all-linear`) or a tuple of names."""
+    if value is None or isinstance(value, str):
+        if isinstance(value, str) and not value.strip():
+            raise SpecError(name, f"lora {name} must be a non-empty string or a list of module names, got {value!r}")
+        return value
+    try:
+        names = tuple(value)
+    except TypeError:
+        raise SpecError(name, f"lora {name} must be a string or a list of module names, got {value!r}") from None
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise SpecError(name, f"lora {name} must be a non-empty list of module names, got {list(names)!r}")
+    return names
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """A LoRA adapter on the engine's model (PEFT), in verl's terms.
+
+    `rank` > 0 adds a fresh adapter (A random, B zero: the model starts as the base model) on the modules
+    `target_modules` selects (`all-linear`: every linear layer but the output head; a list of module
+    names; or one regular expression), minus `exclude_modules`; its update is scaled by `alpha / rank`.
+    `adapter_path`: a PEFT adapter directory to continue training from; its own `adapter_config.json`
+    then decides rank, alpha and targets (`rank` may stay 0). Only the adapter (and a critic's value
+    head) is trained; the base weights stay frozen.
+    """
+
+    rank: int = 0
+    alpha: float = 16.0
+    target_modules: str | tuple[str, ...] = "all-linear"
+    exclude_modules: str | tuple[str, ...] | None = None
+    adapter_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
+            raise SpecError("rank", f"lora rank must be an int >= 0 (0: no adapter), got {self.rank!r}")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not self.alpha > 0:
+            raise SpecError("alpha", f"lora alpha must be a number > 0, got {self.alpha!r}")
+        object.__setattr__(self, "target_modules", _module_names("target_modules", self.target_modules))
+        if self.target_modules is None:
+            raise SpecError("target_modules", "lora target_modules must be set (e.g. 'all-linear')")
+        object.__setattr__(self, "exclude_modules", _module_names("exclude_modules", self.exclude_modules))
+        if self.adapter_path is not None:
+            path = str(self.adapter_path)
+            if not os.path.isfile(os.path.join(path, "adapter_config.json")):
+                raise SpecError("adapter_path", f"lora adapter_path={path!r} is not a PEFT adapter directory "
+                                                "(no adapter_config.json in it)")
+            object.__setattr__(self, "adapter_path", path)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the engine trains an adapter (verl: `lora_rank > 0` or `lora_adapter_path` set)."""
+        return self.rank > 0 or self.adapter_path is not None
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """What one engine (actor, critic or reference model) loads and how it is parallelised.
@@ -81,6 +137,8 @@ class EngineConfig:
     log-probs and entropy are computed. `fsdp_size`: how many ranks share one copy of the parameters
     (-1 or >= the world size: one copy sharded over every rank; k: hybrid sharding, world / k replicas
     of a k-way shard, each replica gradient-summed with the others; 1: every rank holds the whole model).
+    `lora`: train a LoRA adapter instead of the full weights (`LoraSpec.enabled`); the reference role
+    never carries one (it is the actor with the adapter switched off).
     """
 
     model_path: str
@@ -98,6 +156,7 @@ class EngineConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     logprob_chunk_tokens: int = 1024
     trust_remote_code: bool = False
+    lora: LoraSpec = field(default_factory=LoraSpec)
 
     def __post_init__(self) -> None:
         for name, allowed in (("role", ROLES), ("device", DEVICES), ("precision", PRECISIONS),
@@ -123,6 +182,11 @@ class EngineConfig:
         if self.logprob_chunk_tokens < 1:
             raise SpecError("logprob_chunk_tokens",
                             f"logprob_chunk_tokens must be >= 1, got {self.logprob_chunk_tokens}")
+        if not isinstance(self.lora, LoraSpec):
+            raise SpecError("lora", f"lora must be a LoraSpec, got {self.lora!r}")
+        if self.lora.enabled and not self.trainable:
+            raise SpecError("lora", f"role {self.role!r} trains nothing and cannot carry a LoRA adapter "
+                                    "(the reference model with LoRA is the actor with its adapter disabled)")
 
     @property
     def trainable(self) -> bool:

@@ -35,7 +35,8 @@ from ballast.engine.config import EngineConfig, MicroBatchSpec
 from ballast.engine.data_parallel import DataParallelMode
 from ballast.engine.dist import (ParallelState, build_parallel_state, init_distributed, resolve_device_type,
                                  resolve_shard_size)
-from ballast.engine.gather import iter_gathered
+from ballast.engine.gather import iter_gathered, layer_of
+from ballast.engine.lora import Adapter, attach_adapter, base_state, is_adapter_param, merged_state, peft_name
 from ballast.engine.forward import ForwardOptions, forward_micro_batch
 from ballast.engine.losses import GlobalNorm, MiniBatchStatistic, mini_batch_statistic
 from ballast.engine.micro_batch import (
@@ -104,6 +105,10 @@ class TrainEngine:
         # `model`: the HF module (parameters, state dicts, inference); `data_parallel.module`: what
         # training forwards go through, the same object under FSDP2 or a DDP wrapper around it.
         self.model = load_model(cfg.model_path, cfg.role, cfg.trust_remote_code, seed)
+        # A LoRA adapter goes in before parallelisation, so FSDP2 / DDP treat it like any parameter;
+        # everything else is frozen, and the optimizer below sees the adapter only.
+        self.adapter: Adapter | None = (attach_adapter(self.model, cfg.lora, cfg.role, seed)
+                                        if cfg.lora.enabled else None)
         self.data_parallel = parallelize(self.model, parallel, cfg)
         # Dynamic micro-batches are balanced by this model's forward FLOPs (linear + causal attention),
         # so long samples count for what they cost, not just for their tokens.
@@ -365,27 +370,74 @@ class TrainEngine:
         return float(self.optimizer.param_groups[0]["lr"])
 
     # ------------------------------------------------------------------ weights and checkpoints
-    def iter_full_state_dict(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_full_state_dict(self, layered: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF parameter name, full tensor) for every weight, same order on every rank. Collective.
 
         A tied weight comes under each of its names: vLLM's in-place reload on CPU re-packs a tied
-        lm_head only when `lm_head.weight` arrives (without it, generation kept the old head).
+        lm_head only when `lm_head.weight` arrives (without it, generation kept the old head). With a
+        LoRA adapter these are the merged weights (W + scaling * B A), under the base model's names.
+        `layered`: gather at most one decoder layer's tensors at a time (verl's `layered_summon`).
         """
         # Not state_dict(keep_vars=True): after a forward it can hold FSDP2's unsharded pre-step
         # tensors, while state_dict() goes through FSDP2's hooks to the sharded ones.
-        yield from iter_gathered(self.model.state_dict().items())
+        named = self._gathered(lambda name: True, layered)
+        yield from named if self.adapter is None else merged_state(named, self.adapter.scalings)
+
+    def iter_adapter_state_dict(self, layered: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """(PEFT file name, full tensor) of the LoRA adapter only, same order on every rank. Collective."""
+        self._require_adapter()
+        for name, tensor in self._gathered(is_adapter_param, layered):
+            yield peft_name(name), tensor
+
+    def iter_base_state_dict(self, layered: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) of the frozen base model under a LoRA adapter. Collective."""
+        self._require_adapter()
+        yield from base_state(self._gathered(lambda name: not is_adapter_param(name), layered))
+
+    def _gathered(self, keep, layered: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        named = ((n, t) for n, t in self.model.state_dict().items() if keep(n))
+        yield from iter_gathered(named, boundary=layer_of if layered else None)
+
+    def _require_adapter(self) -> Adapter:
+        if self.adapter is None:
+            raise ValueError(f"the {self.cfg.role} engine has no LoRA adapter")
+        return self.adapter
+
+    def adapter_disabled(self) -> contextlib.AbstractContextManager:
+        """Forwards inside run the base model: the reference policy of a LoRA run. Local switch."""
+        return self._require_adapter().disabled()
+
+    def probe_log_probs(self, tokens: list[int], plan: MiniBatchPlan | None = None) -> torch.Tensor:
+        """log p(token_t | tokens_<t), t >= 1, of one sequence under the current weights (temperature 1):
+        what a rollout engine's prompt log-probs must match after a weight sync. Collective; every
+        rank passes the same tokens."""
+        if len(tokens) < 2:
+            raise ValueError(f"a probe needs at least 2 tokens, got {len(tokens)}")
+        ids = torch.as_tensor([list(tokens)], dtype=torch.int64)
+        ones = torch.ones_like(ids)
+        probe = TensorDict({"input_ids": ids, "attention_mask": ones, "position_ids": torch.arange(ids.shape[1])[None],
+                            "responses": ids[:, 1:], "response_mask": ones[:, 1:]}, batch_size=[1])
+        if plan is None:
+            plan = self.plan_micro_batches(probe, MicroBatchSpec(micro_batch_size_per_gpu=1))
+        return self.infer_batch(probe, plan)["log_probs"][0].cpu()
 
     def save_checkpoint(self, path: str) -> None:
-        ckpt.save_checkpoint(path, self.model, self.optimizer, self.scheduler, self._counters())
+        ckpt.save_checkpoint(path, self.model, self.optimizer, self.scheduler, self._counters(),
+                             adapter=self._adapter_record())
 
     def load_checkpoint(self, path: str) -> None:
-        counters = ckpt.load_checkpoint(path, self.model, self.optimizer, self.scheduler)
+        counters = ckpt.load_checkpoint(path, self.model, self.optimizer, self.scheduler,
+                                        adapter=self._adapter_record())
         self.global_step = int(counters.get("global_step", 0))
         self.skipped_steps = int(counters.get("skipped_steps", 0))
 
+    def _adapter_record(self) -> dict | None:
+        return None if self.adapter is None else self.adapter.record()
+
     def export_hf(self, path: str) -> None:
-        """Write a complete HF model directory (config, weights, tokenizer files) from rank 0."""
-        ckpt.export_hf(path, self.model, self.cfg.model_path)
+        """Write a complete HF model directory (config, weights, tokenizer files) from rank 0. With a
+        LoRA adapter: the merged weights there, and the PEFT adapter in `<path>/lora_adapter`."""
+        ckpt.export_hf(path, self.model, self.cfg.model_path, adapter=self.adapter)
 
     def _counters(self) -> dict[str, int]:
         return {"global_step": self.global_step, "skipped_steps": self.skipped_steps}

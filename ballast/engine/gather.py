@@ -20,7 +20,8 @@ never depends on the bucketing.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+import re
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -81,10 +82,22 @@ def _gather_bucket(items: list[tuple[str, DTensor]]) -> Iterator[tuple[str, torc
         yield name, full.contiguous()
 
 
-def iter_gathered(named: Iterable[tuple[str, torch.Tensor]],
-                  bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[tuple[str, torch.Tensor]]:
+_LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
+
+
+def layer_of(name: str) -> str | None:
+    """The decoder layer a parameter name belongs to (`model.layers.3`), or None outside the layers."""
+    match = _LAYER.match(name)
+    return match.group(1) if match else None
+
+
+def iter_gathered(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                  boundary: Callable[[str], object] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor) for every (name, tensor) of `named`, in order. Collective: every rank of
-    the shards' mesh must call it with the same sequence of names, shapes and placements."""
+    the shards' mesh must call it with the same sequence of names, shapes and placements.
+
+    `boundary`: a bucket never holds two names for which it differs (`layer_of`: one decoder layer per
+    bucket at most, which bounds the gathered memory by a layer rather than by `bucket_bytes`)."""
     bucket: list[tuple[str, DTensor]] = []
     size = 0
 
@@ -100,7 +113,8 @@ def iter_gathered(named: Iterable[tuple[str, torch.Tensor]],
             yield name, (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
             continue
         if bucket and (tensor.device_mesh != bucket[0][1].device_mesh or tensor.dtype != bucket[0][1].dtype
-                       or size + tensor.numel() * tensor.element_size() > bucket_bytes):
+                       or size + tensor.numel() * tensor.element_size() > bucket_bytes
+                       or (boundary is not None and boundary(name) != boundary(bucket[0][0]))):
             yield from flush()
         bucket.append((name, tensor))
         size += tensor.numel() * tensor.element_size()

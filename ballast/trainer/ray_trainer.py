@@ -10,11 +10,12 @@ What this driver leaves out of verl's `RayPPOTrainer.fit`, and why:
 1. One layout. Actor, rollout and reference live in one colocated worker group on one resource
    pool (the critic shares its devices); no per-role pools, no standalone rollout servers. Weight
    sync then stays inside each worker process, and placement needs no configuration.
-2. Synchronous rollout. A step generates with the current weights and trains on exactly
+2. On-policy rollout. A step generates with the current weights and trains on exactly
    train_batch_size x n samples (dynamic sampling, `algorithm.filter_groups`, draws more batches
-   until that many are kept): no async agent loop, multi-turn tools or partial rollouts. Every
-   per-rank size is known at start-up (`DerivedSizes`), so a bad combination fails before any
-   worker starts.
+   until that many are kept). With rollout.mode=async each sample is an agent loop (multi-turn, with
+   tools) on request-level rollout inside the rollout workers, but the step still waits for every
+   conversation of its batch: no partial rollouts or off-policy overlap. Every per-rank size is
+   known at start-up (`DerivedSizes`), so a bad combination fails before any worker starts.
 3. Rule rewards on the driver. No reward-model worker and no ReMax baseline generation: each is a
    branch of verl's loop that Ballast's batch-path guarantees would have to be re-proven for.
 4. Old log-probs come from the actor, unless rollout correction's bypass mode takes the rollout
@@ -51,6 +52,8 @@ from ballast.trainer.step.monitor import BalanceMonitor, micro_batch_metrics, ra
 from ballast.trainer.step.old_log_probs import OldLogProbPhase, old_log_prob_metrics
 from ballast.trainer.step.plans import StepPlanner, epoch_partitions, plan_metrics, row_lengths
 from ballast.workers.actor_rollout_ref import UPDATE_WEIGHTS_METRIC
+from ballast.workers.sync_check import METRIC_PREFIX as SYNC_CHECK_PREFIX
+from ballast.workers.agent_loop.metrics import agent_metrics
 from ballast.workers.rollout.base import validation_call_index
 from ballast.workers.on_policy import OldLogProbMode
 from ballast.trainer.step.reward import RewardManager
@@ -87,6 +90,7 @@ class RayPPOTrainer:
         self._nonfinite_in_a_row = 0
         self._pending_metrics: Dict[str, float] = {}  # measured after a step's row was logged
         self._weight_sync_s = 0.0
+        self._sync_check: Dict[str, float] = {}
         self.monitor = BalanceMonitor(tracker, self.total_steps, cfg.trainer.enable_monitor,
                                       cfg.trainer.monitor_interval, sizes.actor.token_budget(sizes.actor.train))
         self.resumed_from: Optional[str] = None  # the checkpoint `resume` loaded
@@ -183,6 +187,7 @@ class RayPPOTrainer:
         actor_key = "train_log_probs" if self.correction.bypass else "old_log_probs"
         metrics.update(old_log_prob_metrics(batch, self.actor_loss_cfg, actor_key))
         metrics.update(data_metrics(batch, self.cfg.data.max_response_length, self.sizes.use_critic))
+        metrics.update(agent_metrics(batch.non_tensors))  # rollout.mode=async: turns, tools, stop reasons
         self.monitor.report(step)
         metrics.update(timing_metrics(batch, timing))
         metrics.update(rollout_probs_diff_metrics(batch, actor_key))
@@ -205,6 +210,8 @@ class RayPPOTrainer:
         batch = prompts.repeat(self.cfg.actor_rollout_ref.rollout.n, interleave=True)
         out = self.workers.actor_rollout.generate_sequences(batch, call_index=step)
         self._weight_sync_s = max(out.metrics.get(UPDATE_WEIGHTS_METRIC, []), default=0.0)
+        # The weight-sync check's figures (LoRA runs): the worst worker's.
+        self._sync_check = {k: max(v) for k, v in out.metrics.items() if k.startswith(SYNC_CHECK_PREFIX) and v}
         return out.batch
 
     def generate_and_score(self, prompts: Batch, step: int, timing: Dict[str, float],
@@ -220,6 +227,7 @@ class RayPPOTrainer:
                 batch = self.generate(prompts, step + num_gen * EXTRA_GENERATION_CALL_STRIDE)
             if self._weight_sync_s:  # part of timing_s/gen, also reported alone as verl does
                 timing["update_weights"] = timing.get("update_weights", 0.0) + self._weight_sync_s
+            metrics.update(self._sync_check)
             with _timer(timing, "reward"):
                 extras = self._score(batch, step)
             num_gen += 1
@@ -317,6 +325,7 @@ class RayPPOTrainer:
         metrics = validation_metrics(sources, np.asarray(out["uid"]).astype(str), infos)
         metrics["val/score/mean"] = float(per_sample.mean())
         metrics["val/response_length/mean"] = float(out["response_mask"].sum(-1).float().mean())
+        metrics.update(agent_metrics(out.non_tensors, prefix="val/"))
         return metrics
 
     def end_of_data(self, end: DataExhausted) -> None:

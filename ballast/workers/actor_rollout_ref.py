@@ -21,13 +21,19 @@ from tensordict import TensorDict
 
 from ballast.engine import TrainEngine
 from ballast.engine.dist import init_distributed, resolve_device_type
+from ballast.engine.parallelize import compute_dtype
 from ballast.protocol import Batch, Output
 from ballast.single_controller import Dispatch, Worker, register
 from ballast.engine import MiniBatchPlan, PhasePlan
 from ballast.workers.on_policy import OldLogProbMode, SelfOldLogProbLoss, rows_after_first
 from ballast.workers.perf import mfu_metrics, peak_flops
 from ballast.workers.rollout import build_backend, new_tp_group, tp_generate
+from ballast.workers.rollout.weight_sync import SyncMode, sync_actor, sync_mode
+from ballast.workers.agent_loop.runner import AgentLoopRunner
+from ballast.workers.agent_loop.tp import tp_agent_generate
 from ballast.workers.spec import ActorRolloutRefSpec
+from ballast.workers.sync_check import METRIC_PREFIX as SYNC_CHECK_PREFIX
+from ballast.workers.sync_check import SyncCheck, check_tolerance, probe_tokens
 from ballast.workers.train_loop import UpdateResult, run_train_loop
 
 UPDATE_WEIGHTS_METRIC = "timing_s/update_weights"
@@ -59,8 +65,11 @@ class ActorRolloutRefWorker(Worker):
         self.actor: Optional[TrainEngine] = None
         self.ref: Optional[TrainEngine] = None
         self.rollout = None
+        self._agents: Optional[AgentLoopRunner] = None  # rollout.mode=async
         self._tp_group = None
         self._weights_stale = False
+        self._sync_mode = SyncMode.FULL
+        self._check: Optional[SyncCheck] = None  # the weight-sync check (None: off)
         self._peak_flops = None  # measured in init_model, for perf/mfu/*
 
     @register(Dispatch.ONE_TO_ALL)
@@ -79,13 +88,36 @@ class ActorRolloutRefWorker(Worker):
             self.ref = TrainEngine(spec.ref, seed=spec.seed)
             p = self.ref.parallel
             self.set_mesh_info("ref", p.dp_rank, p.dp_size, p.sp_rank == 0)
+        elif spec.ref_in_actor:  # LoRA: the reference is the actor without its adapter, on the actor's mesh
+            p = self.actor.parallel
+            self.set_mesh_info("ref", p.dp_rank, p.dp_size, p.sp_rank == 0)
         if spec.rollout is not None:
             tp = spec.rollout.tensor_model_parallel_size
             if tp > 1:
                 self._tp_group = new_tp_group(tp)
             self.rollout = build_backend(_per_engine_seed(spec.rollout, self.rank // tp))
+            if spec.agent is not None:
+                self._agents = AgentLoopRunner(self.rollout, spec.agent)
             self.rollout.sleep()  # GPU: hand the memory to training until the first generate
-        return {"rank": self.rank, "pid": os.getpid()}
+        return {"rank": self.rank, "pid": os.getpid(), **self._init_weight_sync()}
+
+    def _init_weight_sync(self) -> Dict[str, object]:
+        """Decide what a weight sync moves (reported to the driver, which says so at start-up)."""
+        if self.actor is None or self.rollout is None:
+            return {}
+        has_adapter = self.actor.adapter is not None
+        self._sync_mode = sync_mode(has_adapter, self.rollout)
+        # The engine starts from the model directory alone: an adapter (also one loaded from disk) has
+        # to reach it before the first rollout, and every rollout must then name it.
+        self._weights_stale = has_adapter
+        if self.spec.weight_sync.check:
+            trainer_dtype = str(compute_dtype(self.actor.cfg, self.actor.parallel.device_type)).removeprefix("torch.")
+            tolerance = check_tolerance(self.spec.weight_sync.check_tolerance, self.rollout.config.resolved_dtype(),
+                                        trainer_dtype)
+            self._check = SyncCheck(probe_tokens(min(self.rollout.vocab_size, self.actor.model.config.vocab_size)),
+                                    tolerance)
+        return {"weight_sync": str(self._sync_mode), "adapter_rank": self.actor.adapter.max_rank if has_adapter else 0,
+                "adapter_unavailable": getattr(self.rollout, "adapter_unavailable", None)}
 
     # ------------------------------------------------------------------ rollout
     @register(Dispatch.DP_COMPUTE_PROTO, pad=True)
@@ -99,18 +131,30 @@ class ActorRolloutRefWorker(Worker):
         # before the cache comes back. A level-2 sleep discarded the engine's weights, so they are
         # reloaded after every such sleep, not only after an actor update.
         metrics = {}
-        if self._weights_stale or self.rollout.needs_weights:
+        synced = self._weights_stale or self.rollout.needs_weights
+        if synced:
             start = time.perf_counter()
-            self.rollout.load_weights(self._require(self.actor, "actor").iter_full_state_dict())
+            sync_actor(self.rollout, self._require(self.actor, "actor"), self._sync_mode, self.spec.weight_sync.layered)
             self._weights_stale = False
             # verl's timing_s/update_weights; the driver takes the slowest worker
             metrics[UPDATE_WEIGHTS_METRIC] = [time.perf_counter() - start]
         self.rollout.wake_up()
+        if synced and self._check is not None:
+            start = time.perf_counter()
+            check = self._check.run(self.rollout, self.actor, f"the {self._sync_mode} weights")
+            check[f"{SYNC_CHECK_PREFIX}/seconds"] = time.perf_counter() - start
+            metrics.update({k: [v] for k, v in check.items()})
         sampling = self.spec.rollout_val_sampling if validate else None
-        out = tp_generate(self.rollout, prompts.tensors.select(*PROMPT_KEYS), self._tp_group, sampling,
-                          call_index=call_index)
+        non_tensors = dict(prompts.non_tensors)
+        if self._agents is not None:  # request-level rollout: one agent loop per row, all concurrent
+            result = tp_agent_generate(self._agents, prompts, self._tp_group, sampling, call_index=call_index)
+            out = result.tensors
+            non_tensors.update(result.columns)
+        else:
+            out = tp_generate(self.rollout, prompts.tensors.select(*PROMPT_KEYS), self._tp_group, sampling,
+                              call_index=call_index)
         self.rollout.sleep()
-        return Output(Batch(out, non_tensors=prompts.non_tensors, meta=dict(prompts.meta)), metrics)
+        return Output(Batch(out, non_tensors=non_tensors, meta=dict(prompts.meta)), metrics)
 
     # ------------------------------------------------------------------ actor
     def _require(self, engine, role):
@@ -131,8 +175,14 @@ class ActorRolloutRefWorker(Worker):
 
     @register(Dispatch.MESH, mesh="ref")
     def compute_ref_log_prob(self, batch: Batch, plan: PhasePlan) -> Batch:
-        ref = self._require(self.ref, "ref")
-        out = ref.infer_batch(engine_input(batch), plan.mini_batches[0], temperature=self.spec.temperature)
+        """Reference log-probs: the ref engine's or, with LoRA, the actor's with the adapter switched off."""
+        if self.spec.ref_in_actor:
+            actor = self._require(self.actor, "actor")
+            with actor.adapter_disabled():
+                out = actor.infer_batch(engine_input(batch), plan.mini_batches[0], temperature=self.spec.temperature)
+        else:
+            ref = self._require(self.ref, "ref")
+            out = ref.infer_batch(engine_input(batch), plan.mini_batches[0], temperature=self.spec.temperature)
         return Batch({"ref_log_prob": out["log_probs"].cpu()})
 
     @register(Dispatch.MESH, mesh="actor")

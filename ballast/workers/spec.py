@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from ballast.engine import EngineConfig
+from ballast.workers.agent_loop.config import AgentLoopSpec
 from ballast.workers.rollout import RolloutConfig, SamplingConfig
 
 
@@ -28,6 +29,22 @@ class TrainLoopSpec:
 
 
 @dataclass(frozen=True)
+class WeightSyncSpec:
+    """How the actor's weights reach the rollout engine after an update. `layered`: gather at most one
+    decoder layer at a time (verl's `rollout.layered_summon`). `check`: after every sync, compare the
+    rollout engine's log-probs on a fixed probe with the actor's (`ballast.workers.sync_check`) and fail
+    the run beyond `check_tolerance` mean absolute difference (None: the default for the rollout's dtype)."""
+
+    layered: bool = False
+    check: bool = False
+    check_tolerance: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        if self.check_tolerance is not None and not self.check_tolerance > 0:
+            raise ValueError(f"check_tolerance={self.check_tolerance!r} must be > 0 or None")
+
+
+@dataclass(frozen=True)
 class ActorRolloutRefSpec:
     """Roles of one colocated actor/rollout/ref process and everything each role needs."""
 
@@ -37,14 +54,23 @@ class ActorRolloutRefSpec:
     rollout_val_sampling: Optional[SamplingConfig]
     ref: Optional[EngineConfig]
     temperature: float = 1.0
+    # rollout.mode=async: agent loops over request-level rollout (None: one batched generate per call)
+    agent: Optional[AgentLoopSpec] = None
     seed: int = 0
     dist_timeout_s: float = 1800.0
+    # The reference log-probs come from the actor with its LoRA adapter switched off (no ref engine).
+    ref_in_actor: bool = False
+    weight_sync: WeightSyncSpec = WeightSyncSpec()
 
     def __post_init__(self) -> None:
         if self.actor is None and self.rollout is None and self.ref is None:
             raise ValueError("an ActorRolloutRefSpec needs at least one of actor, rollout, ref")
         if self.actor is not None and self.actor_train is None:
             raise ValueError("the actor role needs actor_train")
+        if self.ref_in_actor and (self.ref is not None or self.actor is None or not self.actor.lora.enabled):
+            raise ValueError("ref_in_actor needs an actor with a LoRA adapter and no separate ref engine")
+        if self.agent is not None and self.rollout is None:
+            raise ValueError("agent loops (rollout.mode=async) need the rollout role")
 
 
 @dataclass(frozen=True)

@@ -63,10 +63,14 @@ class UpdateResult:
 
 def memory_metrics() -> Dict[str, float]:
     """verl's perf/max_memory_{allocated,reserved}_gb (this process's CUDA peak; only on CUDA) and
-    perf/cpu_memory_used_gb (the host's used memory)."""
+    perf/cpu_memory_used_gb (the host's used memory), plus perf/max_rss_gb: this worker process's peak
+    resident memory since it started (the trainer, its rollout engine and their buffers)."""
+    import resource
+
     import torch
 
-    metrics: Dict[str, float] = {}
+    # Linux reports ru_maxrss in KiB.
+    metrics: Dict[str, float] = {"perf/max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / GIB
         metrics["perf/max_memory_reserved_gb"] = torch.cuda.max_memory_reserved() / GIB

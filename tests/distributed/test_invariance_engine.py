@@ -4,6 +4,8 @@ aggregation mode (plus activation checkpointing on one cut, parameters kept gath
 and backward, `reshard_after_forward=False`, on three cuts, and with more than one rank, hybrid sharding
 with a whole replica per rank, `fsdp_size=1`, on three cuts), and with a central plan
 (`plan_phase` over the whole mini-batch, as the trainer's driver makes) instead of per-rank planning.
+The same holds for a LoRA adapter (PEFT, base frozen): its gradient equals the reference PEFT model's
+on several cuts of every layout, with and without remove-padding and checkpointing, and under DDP.
 
 One process group is launched per (dp, sp) layout; inside it every configuration runs against
 references computed once, here, with an unmodified transformers model (sdpa attention), each sample
@@ -27,6 +29,8 @@ import transformers
 
 from ballast.balance import plan_phase
 from ballast.engine import EngineConfig, MicroBatchSpec, TrainEngine
+from ballast.engine.config import LoraSpec
+from ballast.engine.lora import attach_adapter, save_adapter
 from ballast.engine.losses import LOSS_AGG_MODES, agg_loss
 from testkit.engine import full, make_rl_batch, reference_log_probs, spawn_ranks
 from testkit.models import build_tiny_causal_lm
@@ -70,11 +74,14 @@ def _whole_batch_loss(loss_mat, mask, mode, horizon):
     return masked.sum(-1).mean() / horizon
 
 
-def _reference(model_dir, data):
-    """{mode: (loss, entropy metric, {name: grad})} from an unmodified model, one sample at a time."""
+def _reference(model_dir, data, adapter_dir=None):
+    """{mode: (loss, entropy metric, {name: grad})} from an unmodified model (with the PEFT adapter in
+    `adapter_dir`, if given: gradients of the adapter only), one sample at a time."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    if adapter_dir is not None:
+        attach_adapter(model, LoraSpec(adapter_path=adapter_dir), "actor")
     R = data["responses"].shape[1]
     mask = data["response_mask"].float()
     refs = {}
@@ -84,21 +91,42 @@ def _reference(model_dir, data):
         loss_mat = -data["advantages"] * lp - ENTROPY_COEF * ent
         loss = _whole_batch_loss(loss_mat, mask, mode, horizon=R)
         loss.backward()
-        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
         entropy_metric = float((ent.detach() * mask).sum() / mask.sum())
         refs[mode] = (float(loss.detach()), entropy_metric, grads)
     return refs
+
+
+def _write_adapter(model_dir, path):
+    """A rank-4 all-linear adapter with non-zero B (a fresh one has B = 0, which makes A's gradient 0)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    adapter = attach_adapter(model, LoraSpec(rank=4, alpha=8), "actor", seed=5)
+    gen = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    save_adapter(path, model.state_dict().items(), adapter)
+    return path
 
 
 @pytest.fixture(scope="module")
 def problem(tmp_path_factory):
     root = tmp_path_factory.mktemp("invariance")
     model_dir = build_tiny_causal_lm(str(root / "model"), seed=7, tie_word_embeddings=True)
+    adapter_dir = _write_adapter(model_dir, str(root / "adapter"))
     prompts, responses = _lengths()
     data = make_rl_batch(prompts, responses, vocab_size=128, seed=11)
     torch.save(data.to_dict(), root / "data.pt")
     torch.save(_reference(model_dir, data), root / "ref.pt")
+    torch.save(_reference(model_dir, data, adapter_dir), root / "ref_lora.pt")
     return str(root), model_dir
+
+
+SPEC_NAMES = ("static-1", "static-2", "static-all", "dynamic-tight", "dynamic-loose", "dynamic-bucketed",
+              "central-tight")
 
 
 def _specs(local_rows: int, lengths: np.ndarray, sp: int):
@@ -119,6 +147,26 @@ def _specs(local_rows: int, lengths: np.ndarray, sp: int):
     }
 
 
+def _runs(world, sp):
+    """(rmpad, checkpointing, reshard_after_forward, fsdp_size, spec names, LoRA) of every engine built."""
+    runs = [(rmpad, False, True, -1, list(SPEC_NAMES), False) for rmpad in ([True, False] if sp == 1 else [True])]
+    runs.append((True, True, True, -1, ["dynamic-tight"], False))  # activation checkpointing on
+    # parameters kept gathered from forward to backward (the CPU configs' setting), over several cuts
+    runs.append((True, False, False, -1, ["dynamic-tight", "static-1", "central-tight"], False))
+    if world > 1:  # hybrid sharding, one whole replica per rank: gradients all-reduced across replicas
+        runs.append((True, False, False, 1, ["dynamic-tight", "static-1", "central-tight"], False))
+    # LoRA: the adapter's gradient on several cuts, checkpointed with parameters kept gathered, padded
+    # with resharding, and (whole replicas) under DDP
+    runs.append((True, True, False, -1, ["static-1", "dynamic-tight", "central-tight"], True))
+    if sp == 1:
+        runs.append((False, False, True, -1, ["static-2", "dynamic-loose"], True))
+    else:  # resharding after forward under Ulysses
+        runs.append((True, False, True, -1, ["dynamic-tight"], True))
+    if world > 1:
+        runs.append((True, False, False, 1, ["dynamic-tight", "central-tight"], True))
+    return runs
+
+
 def _invariance_worker(rank, world, root, model_dir, sp):
     from tensordict import TensorDict
 
@@ -126,7 +174,8 @@ def _invariance_worker(rank, world, root, model_dir, sp):
 
     data_dict = torch.load(os.path.join(root, "data.pt"), weights_only=True)
     data = TensorDict(data_dict, batch_size=[NUM_SAMPLES])
-    refs = torch.load(os.path.join(root, "ref.pt"), weights_only=True)
+    refs = {False: torch.load(os.path.join(root, "ref.pt"), weights_only=True),
+            True: torch.load(os.path.join(root, "ref_lora.pt"), weights_only=True)}
     parallel = build_parallel_state(sp, "cpu")
     rows = NUM_SAMPLES // parallel.dp_size
     local = data[parallel.dp_rank * rows : (parallel.dp_rank + 1) * rows]
@@ -135,16 +184,11 @@ def _invariance_worker(rank, world, root, model_dir, sp):
     central = plan_phase(lengths, parallel.dp_size, specs["central-tight"].policy(sp))
     central_local = data[torch.as_tensor(central.rank_rows(parallel.dp_rank))]
     results = []
-    runs = [(rmpad, False, True, -1, list(specs)) for rmpad in ([True, False] if sp == 1 else [True])]
-    runs.append((True, True, True, -1, ["dynamic-tight"]))  # activation checkpointing on
-    # parameters kept gathered from forward to backward (the CPU configs' setting), over several cuts
-    runs.append((True, False, False, -1, ["dynamic-tight", "static-1", "central-tight"]))
-    if world > 1:  # hybrid sharding, one whole replica per rank: gradients all-reduced across replicas
-        runs.append((True, False, False, 1, ["dynamic-tight", "static-1", "central-tight"]))
-    for rmpad, checkpointing, reshard, fsdp_size, spec_names in runs:
+    for rmpad, checkpointing, reshard, fsdp_size, spec_names, lora in _runs(world, sp):
         cfg = EngineConfig(
             model_path=model_dir, use_remove_padding=rmpad, ulysses_sequence_parallel_size=sp,
             enable_activation_checkpointing=checkpointing, reshard_after_forward=reshard, fsdp_size=fsdp_size,
+            lora=LoraSpec(adapter_path=os.path.join(root, "adapter")) if lora else LoraSpec(),
         )
         engine = TrainEngine(cfg, parallel=parallel if fsdp_size == -1 else build_parallel_state(sp, "cpu", fsdp_size))
         for spec_name in spec_names:
@@ -158,14 +202,14 @@ def _invariance_worker(rank, world, root, model_dir, sp):
                 metrics = engine.forward_backward_batch(
                     batch, partial(rl_loss, mode=mode), plan, temperature=TEMPERATURE, calculate_entropy=True,
                 )
-                grads = {n: full(p.grad) for n, p in engine.model.named_parameters()}
+                grads = {n: full(p.grad) for n, p in engine.model.named_parameters() if p.requires_grad}
                 engine.zero_grad()
-                ref_loss, ref_entropy, ref_grads = refs[mode]
+                ref_loss, ref_entropy, ref_grads = refs[lora][mode]
                 assert grads.keys() == ref_grads.keys(), (sorted(grads), sorted(ref_grads))
                 ref_norm = math.sqrt(sum(float((g.double() ** 2).sum()) for g in ref_grads.values()))
                 max_diff = max(float((grads[n] - ref_grads[n]).abs().max()) for n in grads)
                 results.append(dict(
-                    rmpad=rmpad, checkpointing=checkpointing, reshard=reshard, fsdp_size=fsdp_size, spec=spec_name,
+                    lora=lora, rmpad=rmpad, checkpointing=checkpointing, reshard=reshard, fsdp_size=fsdp_size, spec=spec_name,
                     data_parallel=engine.data_parallel_mode, mode=mode, loss=metrics["loss"], ref_loss=ref_loss,
                     entropy=metrics["entropy"], ref_entropy=ref_entropy, max_grad_diff=max_diff,
                     ref_grad_norm=ref_norm, num_micro_batches=metrics["num_micro_batches"],
@@ -182,11 +226,12 @@ def test_loss_and_gradient_equal_the_single_process_reference(problem, dp, sp):
     spawn_ranks(_invariance_worker, dp * sp, args=(root, model_dir, sp), timeout_s=240)
     with open(os.path.join(root, f"results_{dp * sp}_{sp}.json")) as f:
         results = json.load(f)
-    expected_runs = ((2 if sp == 1 else 1) * 7 + 1 + 3 + (3 if dp * sp > 1 else 0)) * len(LOSS_AGG_MODES)
+    expected_runs = sum(len(run[4]) for run in _runs(dp * sp, sp)) * len(LOSS_AGG_MODES)
     assert len(results) == expected_runs
+    assert sum(r["lora"] for r in results) == (3 + (2 if sp == 1 else 1) + (2 if dp * sp > 1 else 0)) * 4
     failures = []
     for r in results:
-        where = (f"dp={dp} sp={sp} rmpad={r['rmpad']} ckpt={r['checkpointing']} reshard={r['reshard']} "
+        where = (f"dp={dp} sp={sp} lora={r['lora']} rmpad={r['rmpad']} ckpt={r['checkpointing']} reshard={r['reshard']} "
                  f"fsdp_size={r['fsdp_size']} {r['spec']} {r['mode']}")
         if abs(r["loss"] - r["ref_loss"]) > REL_TOL * max(1.0, abs(r["ref_loss"])):
             failures.append(f"{where}: loss {r['loss']:.8g} != reference {r['ref_loss']:.8g}")
@@ -196,7 +241,7 @@ def test_loss_and_gradient_equal_the_single_process_reference(problem, dp, sp):
             failures.append(f"{where}: entropy metric {r['entropy']:.8g} != reference {r['ref_entropy']:.8g}")
     assert not failures, "\n".join(failures)
     # the matrix really exercised different cuts: 1-sample micro-batches vs one micro-batch
-    counts = {r["spec"]: r["num_micro_batches"] for r in results}
+    counts = {r["spec"]: r["num_micro_batches"] for r in results if not r["lora"]}
     assert any(not r["reshard"] for r in results)
     assert any(r["fsdp_size"] == 1 for r in results) == (dp * sp > 1)
     # whole replicas run under DDP (summing hook); everything else under FSDP2

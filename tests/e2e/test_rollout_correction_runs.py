@@ -24,7 +24,8 @@ ALWAYS = ["rollout_corr/kl", "rollout_corr/k3_kl", "rollout_corr/training_ppl", 
 @pytest.fixture()
 def session(tiny_task, e2e_ray, tmp_path):
     def make(name, *extra):
-        return training_session(prepare_typed(load_config(overrides(tiny_task, run_dir(tmp_path, name), *MISMATCH, *extra))))
+        return training_session(prepare_typed(load_config(overrides(tiny_task, run_dir(tmp_path, name), *MISMATCH,
+                                                                    *extra))))
 
     return make
 

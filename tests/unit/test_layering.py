@@ -15,7 +15,8 @@ RULES = {
     "data": ({"data", "models"}, {"ray"}),
     "engine": ({"engine", "balance"}, {"ray"}),
     "single_controller": ({"single_controller", "protocol"}, set()),
-    "workers": ({"workers", "engine", "protocol", "single_controller", "models"}, set()),
+    "tools": ({"tools"}, {"ray", "torch", "transformers"}),
+    "workers": ({"workers", "engine", "protocol", "single_controller", "models", "tools"}, set()),
 }
 
 

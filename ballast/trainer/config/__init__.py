@@ -4,7 +4,8 @@ This package imports no other part of `ballast.trainer`: `ballast.trainer.run.ru
 a run's sizes and worker specs from it, once, and is the start-up check.
 """
 
-from ballast.trainer.config.derived import DerivedSizes, RoleSizes, derive_sizes, uses_critic, uses_reference
+from ballast.trainer.config.derived import (DerivedSizes, RoleSizes, actor_uses_lora, derive_sizes, uses_critic,
+                                            uses_reference)
 from ballast.trainer.config.fsdp import role_fsdp
 from ballast.trainer.config.loader import CONFIG_DIR, ConfigError, compose, load_config, to_typed
 from ballast.trainer.config.model_info import ModelInfo
@@ -12,6 +13,6 @@ from ballast.trainer.config.schema import BallastConfig
 from ballast.trainer.config.validate import check_rules
 
 __all__ = [
-    "BallastConfig", "CONFIG_DIR", "ConfigError", "DerivedSizes", "ModelInfo", "RoleSizes",
+    "BallastConfig", "CONFIG_DIR", "ConfigError", "DerivedSizes", "ModelInfo", "RoleSizes", "actor_uses_lora",
     "check_rules", "compose", "derive_sizes", "load_config", "role_fsdp", "to_typed", "uses_critic", "uses_reference",
 ]

@@ -101,6 +101,13 @@ def uses_reference(cfg: BallastConfig) -> bool:
     return cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
 
 
+def actor_uses_lora(cfg: BallastConfig) -> bool:
+    """verl's rule: a LoRA actor (`lora_rank > 0` or an adapter to start from), whose reference policy is
+    then the actor itself with the adapter switched off (no second copy of the weights)."""
+    model = cfg.actor_rollout_ref.model
+    return model.lora_rank > 0 or model.lora_adapter_path is not None
+
+
 def derive_sizes(cfg: BallastConfig, model: Optional[ModelInfo] = None) -> DerivedSizes:
     """Compute every per-rank size, raising `ConfigError` for the first impossible combination."""
     trainer, data = cfg.trainer, cfg.data
@@ -131,6 +138,11 @@ def derive_sizes(cfg: BallastConfig, model: Optional[ModelInfo] = None) -> Deriv
     if uses_reference(cfg):
         prefix, ref = "actor_rollout_ref.ref", cfg.actor_rollout_ref.ref
         sp = _sp_size(prefix, ref.ulysses_sequence_parallel_size, world, model)
+        if actor_uses_lora(cfg) and sp != actor_sizes.sp_size:
+            raise ConfigError(
+                f"{prefix}.ulysses_sequence_parallel_size={sp} differs from actor_rollout_ref.actor."
+                f"ulysses_sequence_parallel_size={actor_sizes.sp_size}: with LoRA the reference log-probs come from "
+                "the actor's engine (adapter switched off), on the actor's mesh")
         dp = world // sp
         _divides(dp, samples, f"{prefix} dp size (world // {prefix}.ulysses_sequence_parallel_size)", _SAMPLES)
         ref_sizes = RoleSizes(dp, sp, samples // dp, _micro(

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Optional
 
 from ballast.engine.dist import resolve_shard_size
-from ballast.trainer.config.derived import uses_critic, uses_reference
+from ballast.trainer.config.derived import actor_uses_lora, uses_critic, uses_reference
 from ballast.trainer.config.loader import ConfigError
 from ballast.trainer.config.schema import BallastConfig
 
@@ -110,7 +110,9 @@ def rollout_memory_plan(cfg: BallastConfig, param_count: int, total_bytes: int,
     actor_fsdp, ref_fsdp, critic = arr.actor.fsdp_config, arr.ref.fsdp_config, cfg.critic
     actor_bytes = 0 if actor_fsdp.offload_policy else shard(param_count, actor_fsdp.fsdp_size)
     ref_offloaded = ref_fsdp.offload_policy or ref_fsdp.param_offload
-    ref_bytes = shard(param_count, actor_fsdp.fsdp_size) if uses_reference(cfg) and not ref_offloaded else 0
+    # With LoRA the reference is the actor's own engine (adapter switched off): no second copy.
+    separate_ref = uses_reference(cfg) and not actor_uses_lora(cfg) and not ref_offloaded
+    ref_bytes = shard(param_count, actor_fsdp.fsdp_size) if separate_ref else 0
     critic_bytes, processes = 0, 1
     if uses_critic(cfg):
         processes = 2  # the critic worker: a second process (CUDA context, NCCL buffers) on every GPU

@@ -67,9 +67,9 @@ def _check_choices(cfg: BallastConfig) -> None:
     if not arr.hybrid_engine:
         raise ConfigError("actor_rollout_ref.hybrid_engine=False is not supported (verl's PPO trainer requires "
                           "True as well): the actor and rollout always share one process")
-    if arr.rollout.mode == "async":
-        raise ConfigError("actor_rollout_ref.rollout.mode=async (verl's agent-loop rollout server) is not "
-                          "implemented; set actor_rollout_ref.rollout.mode=sync (batched generation)")
+    if arr.rollout.multi_turn.enable and arr.rollout.mode != "async":
+        raise ConfigError("actor_rollout_ref.rollout.multi_turn.enable=True needs actor_rollout_ref.rollout.mode=async "
+                          "(tool-calling conversations run as agent loops on request-level rollout)")
     one_of("trainer.balance_workload", t.balance_workload, WORKLOAD_NAMES + BALANCE_WORKLOADS)
     modes = values(ResumeMode)
     if t.resume_mode not in modes and not os.path.isdir(os.path.expanduser(t.resume_mode)):

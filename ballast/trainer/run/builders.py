@@ -11,18 +11,23 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import os
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from ballast.engine import EngineConfig, OptimConfig
+from ballast.engine.config import LoraSpec
 from ballast.trainer.algorithms.policy_loss import ActorLossConfig, CriticLossConfig, critic_loss, make_actor_loss
 from ballast.trainer.config import BallastConfig, DerivedSizes, role_fsdp
 from ballast.trainer.config.keys import build
+from ballast.trainer.config.loader import ConfigError
 from ballast.trainer.config.schema import OptimSection
 from ballast.trainer.step.reward import OverlongBuffer
 from ballast.trainer.step.rollout_correction import loss_correction, rollout_correction_settings
+from ballast.workers.agent_loop.config import AgentLoopSpec, MultiTurnConfig
 from ballast.workers.rollout import RolloutConfig, SamplingConfig
-from ballast.workers.spec import ActorRolloutRefSpec, CriticSpec, TrainLoopSpec
+from ballast.workers.spec import ActorRolloutRefSpec, CriticSpec, TrainLoopSpec, WeightSyncSpec
 
 GIB = 1 << 30
 # Config prefix of each engine role, and of the model section it loads.
@@ -58,10 +63,29 @@ def engine_optim(optim: OptimSection, total_steps: int, prefix: str = "optim") -
                  min_lr_ratio=optim.min_lr_ratio)
 
 
+def lora_spec(model, prefix: str) -> LoraSpec:
+    """The engine's LoRA spec from a model section (`<prefix>.lora_rank`, ...)."""
+    keys = {"rank": f"{prefix}.lora_rank", "alpha": f"{prefix}.lora_alpha", "target_modules": f"{prefix}.target_modules",
+            "exclude_modules": f"{prefix}.exclude_modules", "adapter_path": f"{prefix}.lora_adapter_path"}
+    return build(keys, LoraSpec, rank=model.lora_rank, alpha=model.lora_alpha, target_modules=model.target_modules,
+                 exclude_modules=model.exclude_modules, adapter_path=model.lora_adapter_path)
+
+
+def adapter_rank(lora: LoraSpec) -> int:
+    """The largest rank the adapter will have: `lora_rank`, or the rank(s) in an adapter loaded from disk."""
+    if lora.adapter_path is None:
+        return lora.rank
+    with open(os.path.join(lora.adapter_path, "adapter_config.json")) as f:
+        saved = json.load(f)
+    return max([int(saved.get("r", 0)), *(int(r) for r in (saved.get("rank_pattern") or {}).values())])
+
+
 def _engine(cfg: BallastConfig, role: str, model, sp: int, grad_clip: Optional[float], optim) -> EngineConfig:
     prefix, fsdp = ROLE_PREFIX[role], role_fsdp(cfg, role)
     keys = {"device": "trainer.device", "ulysses_sequence_parallel_size": f"{prefix}.ulysses_sequence_parallel_size",
             "grad_clip": f"{prefix}.grad_clip", "model_path": f"{MODEL_PREFIX[role]}.path"}
+    # The reference model never carries the adapter: with LoRA it is the actor's base (ref_in_actor).
+    lora = lora_spec(model, MODEL_PREFIX[role]) if role != "ref" else LoraSpec()
     return build(
         keys, EngineConfig, model_path=model.path, role=role, use_remove_padding=model.use_remove_padding,
         ulysses_sequence_parallel_size=sp, device=cfg.trainer.device,
@@ -70,7 +94,7 @@ def _engine(cfg: BallastConfig, role: str, model, sp: int, grad_clip: Optional[f
         cpu_offload=bool(fsdp.offload_policy or (role == "ref" and fsdp.param_offload)),
         reshard_after_forward=fsdp.reshard_after_forward, grad_clip=grad_clip, optim=optim,
         fsdp_size=fsdp.fsdp_size,
-        trust_remote_code=model.trust_remote_code,
+        trust_remote_code=model.trust_remote_code, lora=lora,
     )
 
 
@@ -89,8 +113,11 @@ def sampling_configs(cfg: BallastConfig) -> Tuple[SamplingConfig, SamplingConfig
     return train, val
 
 
-def rollout_config(cfg: BallastConfig) -> RolloutConfig:
+def rollout_config(cfg: BallastConfig, lora: Optional[LoraSpec] = None) -> RolloutConfig:
+    """The rollout's spec; `lora`: the actor's adapter, served next to the base weights unless
+    `actor_rollout_ref.model.lora.merge` asks for merged weights."""
     r = cfg.actor_rollout_ref.rollout
+    serve = lora is not None and lora.enabled and not cfg.actor_rollout_ref.model.lora.merge
     train, _ = sampling_configs(cfg)
     keys = {k: f"{ROLLOUT}.{k}" for k in ("dtype", "max_model_len", "max_num_batched_tokens", "max_num_seqs", "block_size",
                                           "gpu_memory_utilization", "kv_cache_memory_bytes",
@@ -107,7 +134,65 @@ def rollout_config(cfg: BallastConfig) -> RolloutConfig:
         cpu_kv_cache_memory_bytes=r.cpu_kv_cache_gib * GIB, free_cache_engine=r.free_cache_engine,
         kv_cache_memory_bytes=r.kv_cache_memory_bytes,
         tensor_model_parallel_size=r.tensor_model_parallel_size,
+        max_lora_rank=adapter_rank(lora) if serve else None,
     )
+
+
+def weight_sync_spec(cfg: BallastConfig, lora: LoraSpec) -> WeightSyncSpec:
+    """`rollout.layered_summon` and the weight-sync check (on by default for LoRA runs)."""
+    r = cfg.actor_rollout_ref.rollout
+    check = r.weight_sync_check if r.weight_sync_check is not None else lora.enabled
+    if r.weight_sync_check_tolerance is not None and not r.weight_sync_check_tolerance > 0:
+        raise ConfigError(f"{ROLLOUT}.weight_sync_check_tolerance={r.weight_sync_check_tolerance} must be > 0")
+    return WeightSyncSpec(layered=r.layered_summon, check=check, check_tolerance=r.weight_sync_check_tolerance)
+
+
+def agent_spec(cfg: BallastConfig) -> Optional[AgentLoopSpec]:
+    """The agent loops' spec for rollout.mode=async (None in sync mode). Loads the declared tools once,
+    so a bad tool yaml or an unknown tool class fails at start-up."""
+    r = cfg.actor_rollout_ref.rollout
+    if r.mode != "async":
+        return None
+    mt = r.multi_turn
+    prefix = f"{ROLLOUT}.multi_turn"
+    keys = {k: f"{prefix}.{k}" for k in ("max_assistant_turns", "max_user_turns", "max_parallel_calls",
+                                           "max_tool_response_length", "tool_response_truncate_side",
+                                           "tokenization_sanity_check_mode", "format", "tool_timeout_s")}
+    multi_turn = build(keys, MultiTurnConfig, enable=mt.enable, max_assistant_turns=mt.max_assistant_turns,
+                       max_user_turns=mt.max_user_turns, tool_config_path=mt.tool_config_path,
+                       max_parallel_calls=mt.max_parallel_calls, max_tool_response_length=mt.max_tool_response_length,
+                       tool_response_truncate_side=mt.tool_response_truncate_side,
+                       tokenization_sanity_check_mode=mt.tokenization_sanity_check_mode, format=mt.format,
+                       tool_timeout_s=mt.tool_timeout_s)
+    a = r.agent
+    default = a.default_agent_loop or ("tool_agent" if mt.enable else "single_turn_agent")
+    model = cfg.actor_rollout_ref.model
+    keys = {"default_agent_loop": f"{ROLLOUT}.agent.default_agent_loop",
+            "max_concurrent_conversations": f"{ROLLOUT}.agent.max_concurrent_conversations",
+            "prompt_length": f"{ROLLOUT}.prompt_length", "response_length": f"{ROLLOUT}.response_length"}
+    return build(keys, AgentLoopSpec, tokenizer_path=model.tokenizer_path or model.path, prompt_length=r.prompt_length,
+                 response_length=r.response_length, multi_turn=multi_turn, default_agent_loop=default,
+                 agent_loop_config_path=a.agent_loop_config_path,
+                 max_concurrent_conversations=a.max_concurrent_conversations)
+
+
+def check_agent_files(spec: AgentLoopSpec) -> None:
+    """Load the tool yaml and the agent-loop yaml once (ConfigError naming the key on failure)."""
+    from ballast.tools import load_tools
+    from ballast.trainer.config import ConfigError
+    from ballast.workers.agent_loop.base import load_agent_loop_config, registered_loops
+
+    try:
+        load_tools(spec.multi_turn.tool_config_path)
+    except ValueError as err:
+        raise ConfigError(f"{ROLLOUT}.multi_turn.tool_config_path: {err}") from None
+    try:
+        loops = {**registered_loops(), **load_agent_loop_config(spec.agent_loop_config_path)}
+    except ValueError as err:
+        raise ConfigError(f"{ROLLOUT}.agent.agent_loop_config_path: {err}") from None
+    if spec.default_agent_loop not in loops:
+        raise ConfigError(f"{ROLLOUT}.agent.default_agent_loop={spec.default_agent_loop!r} is not an agent loop; "
+                          f"registered: {sorted(loops)}")
 
 
 def actor_loss_config(cfg: BallastConfig) -> ActorLossConfig:
@@ -134,13 +219,24 @@ def actor_rollout_ref_spec(cfg: BallastConfig, sizes: DerivedSizes, total_steps:
         grad_clip_min_batch_size=actor.grad_clip_min_batch_size if actor.grad_clip_adaptive else None,
     )
     ref_engine = None
-    if sizes.ref is not None:
+    ref_in_actor = sizes.ref is not None and actor_engine.lora.enabled  # verl: the actor without its adapter
+    if sizes.ref is not None and not ref_in_actor:
         ref_engine = _engine(cfg, "ref", arr.model, sizes.ref.sp_size, None, OptimConfig(lr=0.0))
     _, val_sampling = sampling_configs(cfg)
+    rollout = rollout_config(cfg, actor_engine.lora)
+    agent = agent_spec(cfg)
+    if agent is not None:
+        check_agent_files(agent)
+    if agent is not None and rollout is not None and rollout.max_lora_rank is not None:
+        # agent loops submit requests to the engine themselves, without the adapter's name: they would
+        # sample from the base model while the check probes the served adapter
+        raise ConfigError(f"{ROLLOUT}.mode=async with a LoRA actor needs actor_rollout_ref.model.lora.merge=true "
+                          "(the agent loops' requests do not name the served adapter)")
     return ActorRolloutRefSpec(
-        actor=actor_engine, actor_train=train, rollout=rollout_config(cfg),
+        actor=actor_engine, actor_train=train, rollout=rollout,
         rollout_val_sampling=val_sampling, ref=ref_engine, temperature=temperature,
-        seed=cfg.trainer.seed, dist_timeout_s=cfg.trainer.worker_timeout_s,
+        seed=cfg.trainer.seed, dist_timeout_s=cfg.trainer.worker_timeout_s, ref_in_actor=ref_in_actor,
+        weight_sync=weight_sync_spec(cfg, actor_engine.lora), agent=agent,
     )
 
 

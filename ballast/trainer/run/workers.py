@@ -74,16 +74,32 @@ def create_workers(cfg: BallastConfig, sizes: DerivedSizes, specs: WorkerSpecs) 
     if sizes.use_critic:
         critic = RayWorkerGroup(pool, CriticWorker, init_args=(specs.critic,), name="critic",
                                 device_share=share, env=env, timeout_s=t.worker_timeout_s, log_dir=logs)
-    engines = {"actor": specs.actor_rollout_ref.actor, "ref": specs.actor_rollout_ref.ref,
+    arr = specs.actor_rollout_ref
+    # With LoRA the reference phase runs on the actor's engine (adapter off), so it is planned like one.
+    engines = {"actor": arr.actor, "ref": arr.actor if arr.ref_in_actor else arr.ref,
                "critic": specs.critic.critic if specs.critic is not None else None}
     objectives = phase_objectives({k: v for k, v in engines.items() if v is not None}, pool.world_size,
                                   "cuda" if use_gpu else "cpu")
     workers = Workers(pool, actor, critic, objectives)
     # Each group forms its own torch.distributed world; initialise them one after the other.
-    actor.init_model()
+    report = weight_sync_report(actor.init_model())
+    if report:
+        print(report, flush=True)
     if critic is not None:
         critic.init_model()
     return workers
+
+
+def weight_sync_report(init_info: list) -> str:
+    """The start-up line saying what a weight sync moves into the rollout (LoRA runs; empty otherwise)."""
+    info = next((i for i in init_info if isinstance(i, dict) and "weight_sync" in i), None)
+    if info is None or info["weight_sync"] == "full":
+        return ""
+    if info["weight_sync"] == "adapter":
+        return (f"[ballast] LoRA weight sync: adapter only (rank {info['adapter_rank']}); the rollout engine "
+                "serves it next to the base weights it loaded")
+    why = info.get("adapter_unavailable") or "actor_rollout_ref.model.lora.merge=True"
+    return f"[ballast] LoRA weight sync: merged weights (the rollout cannot serve the adapter: {why})"
 
 
 def _cuda_available() -> bool:

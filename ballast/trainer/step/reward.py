@@ -130,7 +130,14 @@ class RewardManager:
 
         `step` (the training step, None for validation) only goes into error messages."""
         responses, mask = batch["responses"], batch["response_mask"]
-        lengths = mask.sum(dim=-1).tolist()
+        # The response's real tokens (sampled and, in multi-turn rollouts, inserted tool/user tokens:
+        # the score function reads the whole conversation, as in verl); the score goes on the last
+        # SAMPLED token, so every estimator sees it under the response mask.
+        width = responses.shape[-1]
+        real = batch["attention_mask"][:, -width:] if "attention_mask" in batch else mask
+        lengths = real.sum(dim=-1).tolist()
+        last_sampled = _last_sampled(mask)
+        own = batch["agent_reward_score"] if "agent_reward_score" in batch else None
         sources = batch[self.reward_fn_key] if self.reward_fn_key in batch else np.array(["unknown"] * len(batch))
         truths = batch["ground_truth"] if "ground_truth" in batch else [
             (rm or {}).get("ground_truth") for rm in batch["reward_model"]]
@@ -142,7 +149,10 @@ class RewardManager:
             text = self.tokenizer.decode(responses[i, :length].tolist(), skip_special_tokens=True)
             where = _where(step, i, rows[i] if rows is not None else None, sources[i])
             try:
-                raw = self._call(self.compute_score, sources[i], text, truths[i], extra_infos[i])
+                if own is not None and own[i] is not None:  # the agent loop scored the sample itself
+                    raw = float(own[i])
+                else:
+                    raw = self._call(self.compute_score, sources[i], text, truths[i], extra_infos[i])
             except TimeoutError:
                 raise RewardTimeoutError(
                     f"{self.fn_name} did not return within reward.timeout_s={self.timeout_s:g}s on {where}; "
@@ -162,8 +172,8 @@ class RewardManager:
                 if self.overlong.log:
                     extras["overlong_reward"].append(penalty)
                     extras["overlong"].append(float(penalty < 0))
-            if length > 0:
-                scores[i, length - 1] = score
+            if last_sampled[i] >= 0:
+                scores[i, last_sampled[i]] = score
         return scores, {k: np.asarray(v) for k, v in extras.items() if len(v) == len(lengths)}
 
     def _record(self, extras: Dict[str, list], result: dict, returned_number: bool) -> None:
@@ -178,6 +188,12 @@ class RewardManager:
                 extras[key].append(float(value))
             elif key == "pred" and isinstance(value, str):  # the answer a majority vote counts (maj@n)
                 extras[key].append(value)
+
+
+def _last_sampled(mask: torch.Tensor) -> list:
+    """Column of each row's last response-mask-1 token (-1 for a row without any)."""
+    cols = torch.arange(mask.shape[-1]).expand_as(mask)
+    return torch.where(mask.bool(), cols, torch.full_like(cols, -1)).max(dim=-1).values.tolist()
 
 
 def _where(step: Optional[int], position: int, row, source) -> str:

@@ -136,7 +136,9 @@ class RolloutConfig:
     around training on GPU with sleep/wake_up (no-op on CPU). tensor_model_parallel_size > 1 needs
     the vllm backend and an initialised torch.distributed world (see `tp.py`). engine_index: which
     data-parallel rollout engine this is (TP peers share one); part of every sampling seed, so that
-    copies of a prompt on different engines do not sample alike.
+    copies of a prompt on different engines do not sample alike. max_lora_rank: serve the actor's
+    LoRA adapter (of at most this rank) next to the base weights, so a weight sync moves the adapter
+    only (`load_adapter`); None: the engine serves plain weights.
     """
 
     model_path: str
@@ -159,6 +161,7 @@ class RolloutConfig:
     pad_token_id: int | None = None
     skip_tokenizer_init: bool = True
     engine_index: int = 0
+    max_lora_rank: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_path, (str, os.PathLike)) or not str(self.model_path):
@@ -174,6 +177,9 @@ class RolloutConfig:
             value = getattr(self, key)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise SpecError(key, f"{key}={value!r} must be None or an int >= 1")
+        if self.max_lora_rank is not None and (isinstance(self.max_lora_rank, bool)
+                                               or not isinstance(self.max_lora_rank, int) or self.max_lora_rank < 1):
+            raise SpecError("max_lora_rank", f"max_lora_rank={self.max_lora_rank!r} must be None or an int >= 1")
         if isinstance(self.engine_index, bool) or not isinstance(self.engine_index, int) or self.engine_index < 0:
             raise SpecError("engine_index", f"engine_index={self.engine_index!r} must be an int >= 0")
         if not 0.0 < float(self.gpu_memory_utilization) <= 1.0:
@@ -295,6 +301,16 @@ class RolloutBackend(Protocol):
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Stream (Hugging Face name, full tensor) pairs into the engine; returns how many were read."""
+        ...
+
+    @property
+    def serves_adapters(self) -> bool:
+        """Whether `load_adapter` works: the engine serves a LoRA adapter next to its base weights."""
+        ...
+
+    def load_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], peft_config: dict) -> int:
+        """Replace the served LoRA adapter by (PEFT file name, full tensor) pairs with `peft_config`
+        (its adapter_config.json content); every later call generates with it. Returns the count."""
         ...
 
     def prompt_log_probs(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:

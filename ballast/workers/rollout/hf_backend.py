@@ -103,6 +103,7 @@ class HFBackend:
         self.vocab_size = int(self.model.config.get_text_config().vocab_size)
         self.last_input_digest: str | None = None
         self.num_calls = 0
+        self._adapter: dict[str, torch.Tensor] | None = None  # PEFT file name -> the served adapter's tensor
 
     @torch.no_grad()
     def generate(
@@ -110,15 +111,27 @@ class HFBackend:
     ) -> TensorDict:
         call, stop = open_call(self, prompts, sampling, call_index)
         sampling, call_index = call.sampling, call.call_index
-        input_ids, attention_mask = call.input_ids, call.attention_mask
+        seed = None
+        if sampling.do_sample and sampling.seed is not None:
+            seed = sampling_seed(sampling.seed, self.config.engine_index, call_index)
+        responses, log_probs = self.generate_padded(call.input_ids, call.attention_mask, sampling, stop,
+                                                    sampling.max_response_length, seed)
+        return close_call(self, call, stop, responses, log_probs)
 
+    @torch.no_grad()
+    def generate_padded(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, sampling: SamplingConfig,
+                        stop: Sequence[int], max_new_tokens: int, seed: int | None
+                        ) -> tuple[list[list[int]], list[list[float]] | None]:
+        """One transformers `generate` over left-padded rows: (generated ids per row, their log-probs
+        when `sampling.calculate_log_probs`). Rows are not cut at their stop token here (finished rows
+        are padded by generate); callers cut. `seed` seeds an isolated RNG for the whole batch."""
         width = input_ids.shape[1]
         processor = _SamplingProcessor(sampling, width, record=sampling.calculate_log_probs)
         # Fields left unset would be filled from the model's generation config: set them all. The
         # warpers are neutralised because `processor` does temperature/top-k/top-p itself.
         neutral_warpers = dict(temperature=1.0, top_k=0, top_p=1.0) if sampling.do_sample else {}
         gen_config = GenerationConfig(
-            max_new_tokens=sampling.max_response_length,
+            max_new_tokens=max_new_tokens,
             do_sample=sampling.do_sample,
             num_beams=1,
             eos_token_id=list(stop),
@@ -127,7 +140,7 @@ class HFBackend:
             use_cache=True,
             **neutral_warpers,
         )
-        with self._rng(sampling, call_index):
+        with self._rng(seed):
             out = self.model.generate(
                 input_ids=input_ids.to(self.device),
                 attention_mask=attention_mask.to(self.device),
@@ -136,11 +149,11 @@ class HFBackend:
             )
         generated = out.sequences[:, width:]
         log_probs = processor.finish(generated) if sampling.calculate_log_probs else None
-        return close_call(self, call, stop, generated.cpu().tolist(), log_probs)
+        return generated.cpu().tolist(), log_probs
 
-    def _rng(self, sampling: SamplingConfig, call_index: int):
+    def _rng(self, seed: int | None):
         """Seeded, isolated RNG for a sampling call; the caller's global RNG stream is left as it was."""
-        if not sampling.do_sample or sampling.seed is None:
+        if seed is None:
             return contextlib.nullcontext()
         # The generator generate() draws from is the one of the device the model sits on. Parameters
         # always carry an index; a bare "cuda" means the current device, never blindly GPU 0.
@@ -152,7 +165,7 @@ class HFBackend:
         @contextlib.contextmanager
         def seeded():
             with torch.random.fork_rng(devices=devices):
-                torch.manual_seed(sampling_seed(sampling.seed, self.config.engine_index, call_index))
+                torch.manual_seed(seed)
                 yield
 
         return seeded()
@@ -173,6 +186,30 @@ class HFBackend:
                     )
                 target.copy_(tensor.detach().to(device=target.device, dtype=target.dtype))
                 count += 1
+        return count
+
+    @property
+    def serves_adapters(self) -> bool:
+        """Always: the first `load_adapter` adds PEFT LoRA layers to this backend's own model."""
+        return True
+
+    def load_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], peft_config: dict) -> int:
+        """Copy a LoRA adapter (PEFT file names) into the model's adapter, adding one like it first if
+        the model has none yet; the base weights stay as they are."""
+        if self._adapter is None:
+            self._adapter = _attach_served_adapter(self.model, peft_config)
+        count, expected = 0, set(self._adapter)
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                target = self._adapter.get(name)
+                if target is None or tuple(target.shape) != tuple(tensor.shape):
+                    raise ValueError(f"load_adapter: {name!r} {tuple(tensor.shape)} does not match the served adapter"
+                                     f" ({None if target is None else tuple(target.shape)})")
+                target.copy_(tensor.detach().to(device=target.device, dtype=target.dtype))
+                expected.discard(name)
+                count += 1
+        if expected:
+            raise ValueError(f"load_adapter: the adapter lacks {sorted(expected)[:3]} (+{max(len(expected) - 3, 0)})")
         return count
 
     @torch.no_grad()
@@ -196,3 +233,20 @@ class HFBackend:
 
     def shutdown(self) -> None:
         self.model = None
+
+
+def _attach_served_adapter(model: torch.nn.Module, peft_config: dict) -> dict[str, torch.Tensor]:
+    """Add a LoRA adapter described by `peft_config` to `model` in place (PEFT); returns its tensors by
+    PEFT file name. The layers' forward then adds the adapter's output to the base layer's."""
+    import dataclasses
+
+    from peft import LoraConfig, get_peft_model
+
+    from ballast.engine.lora import is_adapter_param, peft_name, use_fused_linear
+
+    fields = {f.name for f in dataclasses.fields(LoraConfig)}
+    config = use_fused_linear(LoraConfig(**{k: v for k, v in peft_config.items() if k in fields and k != "peft_type"}))
+    config.inference_mode = True
+    get_peft_model(model, config)  # injects the LoRA layers into `model` itself
+    return {peft_name(name): tensor for name, tensor in model.state_dict(keep_vars=True).items()
+            if is_adapter_param(name)}

@@ -41,6 +41,7 @@ from tensordict import TensorDict
 from .base import RolloutConfig, SamplingConfig, resolve_special_tokens, sampling_seed
 from .calls import close_call, open_call
 from .single_device_tp import peer_all_reduce_env, peer_all_reduce_kwargs, tp_peers_hidden
+from .vllm_lora import adapter_request, architecture_serves_lora, install_adapter, lora_engine_kwargs, vllm_lora_rank
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
@@ -55,8 +56,9 @@ def _cpu_kv_cache_bytes(config: RolloutConfig) -> int:
     return DEFAULT_CPU_KV_CACHE_BYTES
 
 
-def engine_kwargs(config: RolloutConfig, distributed: bool) -> dict:
-    """Keyword arguments for `vllm.LLM` derived from `config` (pure; tested without vLLM)."""
+def engine_kwargs(config: RolloutConfig, distributed: bool, serve_lora: bool = False) -> dict:
+    """Keyword arguments for `vllm.LLM` derived from `config` (pure; tested without vLLM). `serve_lora`:
+    the engine serves an adapter of rank <= `config.max_lora_rank` (`vllm_lora`)."""
     on_gpu = config.resolved_device() == "cuda"
     kwargs = dict(
         model=config.model_path,
@@ -73,6 +75,8 @@ def engine_kwargs(config: RolloutConfig, distributed: bool) -> dict:
             kwargs[key] = getattr(config, key)
     if distributed:
         kwargs["distributed_executor_backend"] = "external_launcher"
+    if serve_lora:
+        kwargs.update(lora_engine_kwargs(config.max_lora_rank))
     # TP peers in processes that see one GPU each: no peer-memory all-reduce (see single_device_tp).
     kwargs.update(peer_all_reduce_kwargs(tp_peers_hidden(on_gpu, distributed, config.tensor_model_parallel_size)))
     if on_gpu:
@@ -147,8 +151,21 @@ class VLLMBackend:
                                                               config.tensor_model_parallel_size)))
         from vllm import LLM
 
+        # Why the engine does not serve adapters although asked to (None: it serves them, or was not asked).
+        self.adapter_unavailable: str | None = None
+        if config.max_lora_rank is not None:
+            if vllm_lora_rank(config.max_lora_rank) is None:
+                self.adapter_unavailable = f"rank {config.max_lora_rank} exceeds vLLM's largest LoRA rank"
+            else:
+                self.adapter_unavailable = architecture_serves_lora(config.model_path)[1] or None
+        self._serve_lora = config.max_lora_rank is not None and self.adapter_unavailable is None
+        if self._serve_lora and not self.on_gpu:
+            from .vllm_cpu_lora_ops import install
+
+            install()  # vLLM's CPU LoRA ops copy the adapter per token; see vllm_cpu_lora_ops
+        self._adapter_id = 0  # the installed adapter's id; 0: none yet (the base model is served)
         with _PreservedGlobalRNG():
-            self.llm = LLM(**engine_kwargs(config, self.distributed))
+            self.llm = LLM(**engine_kwargs(config, self.distributed, self._serve_lora))
         gc.unfreeze()
         self.eos_token_ids, self.pad_token_id = resolve_special_tokens(config)
         model_config = self.llm.llm_engine.model_config
@@ -175,14 +192,14 @@ class VLLMBackend:
 
         return list(get_tp_group().ranks)
 
-    def _sampling_params(
-        self, sampling: SamplingConfig, stop: tuple[int, ...], num_rows: int, call_index: int
-    ) -> list:
+    def request_params(self, sampling: SamplingConfig, stop: tuple[int, ...], max_tokens: int, seed: int | None):
+        """vLLM `SamplingParams` of one request: `max_tokens` new tokens at most, seeded with `seed`
+        (None: the engine's RNG; ignored for greedy decoding)."""
         from vllm import SamplingParams
 
-        common = dict(
+        kwargs = dict(
             n=1,
-            max_tokens=sampling.max_response_length,
+            max_tokens=max_tokens,
             temperature=sampling.temperature if sampling.do_sample else 0.0,
             top_p=sampling.top_p if sampling.do_sample else 1.0,
             top_k=sampling.top_k if sampling.do_sample else -1,
@@ -193,11 +210,19 @@ class VLLMBackend:
             logprobs=0 if sampling.calculate_log_probs else None,
             detokenize=False,
         )
+        if sampling.do_sample and seed is not None:
+            kwargs["seed"] = seed
+        return SamplingParams(**kwargs)
+
+    def _sampling_params(
+        self, sampling: SamplingConfig, stop: tuple[int, ...], num_rows: int, call_index: int
+    ) -> list:
         if not sampling.do_sample or sampling.seed is None:
-            return [SamplingParams(**common)] * num_rows
+            return [self.request_params(sampling, stop, sampling.max_response_length, None)] * num_rows
         # One seed per row: repeated prompts (n > 1) must differ, and every TP rank must draw alike.
         engine = self.config.engine_index
-        return [SamplingParams(seed=sampling_seed(sampling.seed, engine, call_index, row), **common)
+        return [self.request_params(sampling, stop, sampling.max_response_length,
+                                    sampling_seed(sampling.seed, engine, call_index, row))
                 for row in range(num_rows)]
 
     def generate(
@@ -219,7 +244,8 @@ class VLLMBackend:
         if token_lists:
             params = self._sampling_params(sampling, stop, len(token_lists), call_index)
             outputs = self.llm.generate(
-                [TokensPrompt(prompt_token_ids=t) for t in token_lists], params, use_tqdm=False
+                [TokensPrompt(prompt_token_ids=t) for t in token_lists], params, use_tqdm=False,
+                **self._adapter_kwargs(),
             )
             for out in outputs:
                 completion = out.outputs[0]
@@ -237,7 +263,8 @@ class VLLMBackend:
         self._require_awake()
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
         outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=list(s)) for s in sequences], params, use_tqdm=False
+            [TokensPrompt(prompt_token_ids=list(s)) for s in sequences], params, use_tqdm=False,
+            **self._adapter_kwargs(),
         )
         result = []
         for seq, out in zip(sequences, outputs):
@@ -269,6 +296,32 @@ class VLLMBackend:
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight update (requests still "
                                "running?); the next rollout would reuse KV blocks of the old weights")
         return counted.count
+
+    @property
+    def serves_adapters(self) -> bool:
+        """Whether the engine was built to serve a LoRA adapter (`config.max_lora_rank` set and the
+        model's vLLM class supports LoRA; otherwise `adapter_unavailable` says why not)."""
+        return self._serve_lora
+
+    def _adapter_kwargs(self) -> dict:
+        """`generate` arguments that run a request under the installed adapter (none before the first)."""
+        return {"lora_request": adapter_request(self._adapter_id)} if self._adapter_id else {}
+
+    def load_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], peft_config: dict) -> int:
+        """Make (PEFT file name, full tensor) pairs the served adapter, under a new id; the base weights
+        stay. Under TP every rank passes the same tensors (vLLM slices them). Returns the count."""
+        if not self._serve_lora:
+            raise RuntimeError("this vLLM engine does not serve LoRA adapters"
+                               + (f" ({self.adapter_unavailable})" if self.adapter_unavailable else "")
+                               + ": sync merged weights with load_weights")
+        # Copies: with whole replicas the gathered tensors are the live parameters, which the next
+        # optimizer step overwrites, and vLLM keeps what it is given.
+        tensors = {name: tensor.detach().to("cpu", copy=True) for name, tensor in named_tensors}
+        self.llm.collective_rpc(install_adapter, args=(tensors, dict(peft_config), self._adapter_id + 1))
+        self._adapter_id += 1
+        if self.llm.reset_prefix_cache() is False:
+            raise RuntimeError("vLLM refused to reset its prefix cache after an adapter update")
+        return len(tensors)
 
     def sleep(self) -> None:
         """GPU with free_cache_engine: free the KV cache and offload (level 1) or drop (level 2) weights.

@@ -16,11 +16,17 @@ checkpoint-format `load_weights`. In colocated GPU mode the engine sleeps during
     out = tp_generate(backend, prompts, group)
 
 On CPU sleep/wake_up are no-ops (vLLM has no CPU sleep mode), so the engine keeps its memory.
+
+LoRA (`sync_actor`): when the actor trains an adapter and the backend serves adapters, only the
+adapter's tensors move (`SyncMode.ADAPTER`; the engine keeps the base weights it loaded, and gets them
+again only after a level-2 sleep discarded them); otherwise the actor's merged weights are loaded like
+full weights (`SyncMode.MERGED`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from enum import Enum
 
 import torch
 
@@ -45,3 +51,30 @@ def iter_full_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tens
     to the end, in lockstep. Plain tensors are yielded as they are (detached).
     """
     yield from iter_gathered(module.state_dict().items())
+
+
+class SyncMode(str, Enum):
+    """What a weight sync moves into the rollout engine."""
+
+    FULL = "full"        # every weight (no adapter)
+    ADAPTER = "adapter"  # the LoRA adapter only; the engine serves it next to its base weights
+    MERGED = "merged"    # the LoRA adapter merged into the weights, loaded as full weights
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def sync_mode(has_adapter: bool, backend: RolloutBackend) -> SyncMode:
+    if not has_adapter:
+        return SyncMode.FULL
+    return SyncMode.ADAPTER if backend.serves_adapters else SyncMode.MERGED
+
+
+def sync_actor(backend: RolloutBackend, engine, mode: SyncMode, layered: bool = False) -> int:
+    """Move the actor engine's current weights into `backend` as `mode` says; returns the tensor count.
+    Collective over the actor's mesh (the gathers) and, under rollout TP, the TP group."""
+    if mode is SyncMode.ADAPTER:
+        if backend.needs_weights:  # a level-2 sleep dropped the base weights too
+            backend.load_weights(engine.iter_base_state_dict(layered))
+        return backend.load_adapter(engine.iter_adapter_state_dict(layered), engine.adapter.config_dict())
+    return backend.load_weights(engine.iter_full_state_dict(layered=True) if layered else engine.iter_full_state_dict())

@@ -26,8 +26,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_two_ranks(model_dir, out_dir):
-    """Start both ranks; a hang or a crash fails the test with both ranks' logs."""
+def _run_two_ranks(model_dir, out_dir, worker=WORKER):
+    """Start both ranks of `worker`; a hang or a crash fails the test with both ranks' logs."""
     port = _free_port()
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     procs, logs = [], []
@@ -37,7 +37,7 @@ def _run_two_ranks(model_dir, out_dir):
                    PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
         log = open(os.path.join(out_dir, f"rank{rank}.log"), "w")
         logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, WORKER, model_dir, out_dir], env=env, stdout=log,
+        procs.append(subprocess.Popen([sys.executable, worker, model_dir, out_dir], env=env, stdout=log,
                                       stderr=subprocess.STDOUT, start_new_session=True))
     deadline = time.monotonic() + TIMEOUT_S
     try:

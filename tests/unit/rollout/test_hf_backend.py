@@ -180,7 +180,7 @@ def test_seeded_sampling_forks_the_rng_of_the_models_gpu(monkeypatch, device, cu
     monkeypatch.setattr(torch, "manual_seed", lambda seed: None)  # no CUDA here to seed
     backend = HFBackend.__new__(HFBackend)
     backend.device, backend.config = device, RolloutConfig(model_path="/m", backend="hf")
-    with backend._rng(SamplingConfig(max_response_length=4, seed=7), call_index=1):
+    with backend._rng(7):
         pass
     assert forked == [expected]
 

@@ -20,6 +20,7 @@ from ballast.workers.train_loop import UpdateResult
 from ballast.protocol import Batch
 from ballast.workers import actor_rollout_ref
 from ballast.workers.actor_rollout_ref import ActorRolloutRefWorker
+from ballast.workers.spec import WeightSyncSpec
 from ballast.workers.rollout.base import RolloutConfig, SamplingConfig
 from ballast.workers.rollout.vllm_backend import VLLMBackend
 
@@ -107,7 +108,8 @@ def _worker(tmp_path, sleep_level):
     config = RolloutConfig(model_path=str(tmp_path), backend="vllm", device="cuda", free_cache_engine=True,
                            sleep_level=sleep_level, pad_token_id=0,
                            sampling=SamplingConfig(max_response_length=4, eos_token_ids=(2,), do_sample=False))
-    worker = ActorRolloutRefWorker(SimpleNamespace(actor_train=SimpleNamespace(ppo_epochs=1), rollout_val_sampling=None))
+    worker = ActorRolloutRefWorker(SimpleNamespace(actor_train=SimpleNamespace(ppo_epochs=1), rollout_val_sampling=None,
+                                                   weight_sync=WeightSyncSpec()))
     worker.actor = FakeActor()
     worker.rollout = VLLMBackend(config)
     worker.rollout.sleep()  # as init_model: the memory goes to training until the first rollout

@@ -34,7 +34,7 @@ class DataConfig:
     truncation: Truncation
     """Overlong prompts: `error`, `left`, `right`, `middle` (first + last half) or `filter` (dropped, counted)."""
     return_raw_chat: bool
-    """Accepted for verl compatibility, no effect here (only verl's async agent loop reads it)."""
+    """Accepted for verl compatibility, no effect here: the chat messages are always kept (agent loops read them)."""
     filter_overlong_prompts: bool
     """verl's switch: true means the same as `truncation=filter`."""
     shuffle: bool

@@ -4,7 +4,7 @@ and the choices they share (training backend, loss aggregation)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from ballast.trainer.config.schema.choice import choice
 
@@ -13,6 +13,13 @@ Strategy = choice("Strategy", __name__, "fsdp", "fsdp2")
 # The engine's aggregations (`ballast.engine.losses.LOSS_AGG_MODES`; a test keeps the two equal).
 LossAggMode = choice("LossAggMode", __name__, "token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                      "seq-mean-token-sum-norm")
+
+
+@dataclass(frozen=True)
+class LoraSection:
+    merge: bool
+    """Sync the adapter merged into the weights (a full-weight sync) instead of the adapter alone; the
+    adapter-only sync falls back to this by itself where the rollout cannot serve the adapter."""
 
 
 @dataclass(frozen=True)
@@ -27,6 +34,20 @@ class ModelConfig:
     """Recompute activations in the backward pass to save memory."""
     trust_remote_code: bool
     """Let transformers run model code shipped in the model directory."""
+    lora_rank: int
+    """LoRA rank; > 0 trains a LoRA adapter (PEFT) instead of the full weights; 0: full fine-tuning."""
+    lora_alpha: float
+    """LoRA scaling: the adapter's update is multiplied by `lora_alpha / lora_rank`."""
+    target_modules: Any
+    """Modules that get an adapter: `all-linear` (every linear layer but the output head), a list of
+    module names (`[q_proj, v_proj]`), or one regular expression over module paths."""
+    exclude_modules: Any
+    """Modules never adapted (a list of names or a regular expression); null: none."""
+    lora_adapter_path: Optional[str]
+    """A PEFT adapter directory to continue training from (its own rank, alpha and targets apply);
+    also turns LoRA on with `lora_rank: 0`."""
+    lora: LoraSection
+    """How the actor's adapter reaches the rollout."""
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from ballast.trainer.config.schema.agent import AgentSection, MultiTurnSection
 from ballast.trainer.config.schema.choice import choice
 
-# verl's values; `async` (verl's agent-loop rollout server) is a start-up error asking for `sync`.
+# verl's values: `sync` (batched generation) and `async` (agent loops on request-level rollout).
 RolloutMode = choice("RolloutMode", __name__, "sync", "async")
 
 
@@ -33,7 +34,8 @@ class RolloutSection:
     name: str
     """Rollout backend: `vllm` or `hf` (transformers generate)."""
     mode: RolloutMode
-    """`sync` (batched generation); verl's `async` agent loop is not implemented (a start-up error)."""
+    """`sync` (one batched generate per call) or `async` (agent loops over request-level rollout:
+    every sample is a conversation that advances concurrently; `multi_turn` adds tools)."""
     temperature: float
     """Sampling temperature (> 0 when `do_sample`); the actor's log-probs use the same one."""
     top_k: int
@@ -86,5 +88,18 @@ class RolloutSection:
     """Token-budget micro-batches for the old-log-prob pass."""
     log_prob_max_token_len_per_gpu: int
     """Dynamic token budget per device of the old-log-prob pass."""
+    layered_summon: bool
+    """Gather the actor's weights for a weight sync one decoder layer at a time (less memory, more
+    collectives) instead of in buckets of up to 256 MB."""
+    weight_sync_check: Optional[bool]
+    """After every weight sync, check that the rollout engine's log-probs on a fixed probe match the
+    actor's, failing the run otherwise; null: on exactly for LoRA runs."""
+    weight_sync_check_tolerance: Optional[float]
+    """Largest mean absolute log-prob difference the check accepts; null: 1e-3 for a float32 rollout,
+    5e-2 for bfloat16/float16."""
     val_kwargs: ValKwargs
     """Sampling for validation."""
+    multi_turn: MultiTurnSection
+    """Tool-calling conversations (rollout.mode=async)."""
+    agent: AgentSection
+    """Agent loops (rollout.mode=async)."""

@@ -1,0 +1,21 @@
+"""Tools for multi-turn agent loops: the tool interface, the executor that runs calls safely, the
+shipped tools (a calculator and a sandboxed Python-expression evaluator) and the yaml loader.
+
+    tools = load_tools("tools.yaml")                     # verl's tool_config_path format
+    executor = ToolExecutor(tools, max_parallel_calls=2, max_response_length=256, timeout_s=10)
+    results = await executor.run_turn([ToolCall("calculator", {"expression": "12*34"})])
+
+Nothing here imports torch or Ray: tools run inside rollout workers but know nothing about them.
+"""
+
+from ballast.tools.base import Tool, ToolError, ToolResponse, check_arguments, check_schema, normalize_result
+from ballast.tools.calculator import CalculatorTool
+from ballast.tools.executor import ToolCall, ToolCallResult, ToolExecutor, clean_text, truncate
+from ballast.tools.python_expr import PythonExpressionTool
+from ballast.tools.registry import BUILTIN_TOOLS, build_tool, import_object, load_tools
+
+__all__ = [
+    "BUILTIN_TOOLS", "CalculatorTool", "PythonExpressionTool", "Tool", "ToolCall", "ToolCallResult", "ToolError",
+    "ToolExecutor", "ToolResponse", "build_tool", "check_arguments", "check_schema", "clean_text", "import_object",
+    "load_tools", "normalize_result", "truncate",
+]

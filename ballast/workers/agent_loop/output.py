@@ -1,0 +1,101 @@
+"""Finished conversations -> the rollout output contract (docs/rollout.md), plus per-sample columns.
+
+Layout per row: the prompt LEFT-padded to width P, then the response (sampled and inserted tokens, in
+order) RIGHT-padded to width R.
+  * `attention_mask` is 1 on every real token, inserted tool/user tokens included: the model attends
+    to them and the engine's lengths, balancing, token budgets and remove-padding see whole
+    conversations;
+  * `response_mask` is 1 only on sampled tokens (the loss), `rollout_log_probs` 0 where it is 0;
+  * `position_ids` continue from the prompt's last position over the whole response.
+P is the input's width when every conversation kept the dataset's prompt width (so a single-turn
+call returns exactly what batched generation returns, prompt columns copied from the input), else
+`prompt_length` (the same on every data-parallel rank, so their outputs concatenate). R is the
+response budget when `pad_to_max_response_length`, else the longest response.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+from ballast.workers.agent_loop.base import AgentLoopOutput
+
+# The per-sample numbers every call reports (0 where a loop has none), so that the outputs of
+# data-parallel ranks running different loops still concatenate; other info keys are not kept.
+INFO_KEYS = ("model_tokens", "tool_tokens", "assistant_turns", "tool_calls", "tool_errors", "tool_timeouts",
+             "malformed_tool_calls", "unknown_tool_calls", "tool_calls_dropped", "tool_latency_s",
+             "tool_latency_max_s", "tool_reward", "tokenization_mismatch", "prompt_truncated")
+
+
+def assemble(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+             outputs: Sequence[AgentLoopOutput], *, pad_token_id: int, prompt_length: int,
+             response_length: int | None, with_log_probs: bool) -> TensorDict:
+    rows, width = input_ids.shape
+    if len(outputs) != rows:
+        raise ValueError(f"{len(outputs)} conversations for {rows} prompt rows")
+    longest_prompt = max((len(o.prompt_ids) for o in outputs), default=0)
+    prompt_width = width if longest_prompt <= width else max(prompt_length, longest_prompt)
+    longest = max((len(o.response_ids) for o in outputs), default=0)
+    resp_width = longest if response_length is None else response_length
+    if longest > resp_width:
+        raise ValueError(f"a conversation has {longest} response tokens > response_length={resp_width}")
+    prompts = torch.full((rows, prompt_width), int(pad_token_id), dtype=torch.int64)
+    prompt_mask = torch.zeros((rows, prompt_width), dtype=torch.int64)
+    prompt_pos = torch.zeros((rows, prompt_width), dtype=torch.int64)
+    real = attention_mask.to(torch.bool)
+    for i, out in enumerate(outputs):
+        n = len(out.prompt_ids)
+        if prompt_width == width and input_ids[i][real[i]].tolist() == list(out.prompt_ids):
+            prompts[i], prompt_mask[i], prompt_pos[i] = input_ids[i], attention_mask[i], position_ids[i]
+        elif n:
+            prompts[i, prompt_width - n:] = torch.tensor(out.prompt_ids, dtype=torch.int64)
+            prompt_mask[i, prompt_width - n:] = 1
+            prompt_pos[i, prompt_width - n:] = torch.arange(n)
+    responses = torch.full((rows, resp_width), int(pad_token_id), dtype=torch.int64)
+    resp_mask = torch.zeros((rows, resp_width), dtype=torch.int64)
+    resp_real = torch.zeros((rows, resp_width), dtype=torch.int64)
+    log_probs = torch.zeros((rows, resp_width), dtype=torch.float32) if with_log_probs else None
+    for i, out in enumerate(outputs):
+        n = len(out.response_ids)
+        if len(out.response_mask) != n or (log_probs is not None and len(out.log_probs or ()) != n):
+            raise ValueError(f"row {i}: response ids, mask and log-probs have different lengths")
+        if n:
+            responses[i, :n] = torch.tensor(out.response_ids, dtype=torch.int64)
+            resp_mask[i, :n] = torch.tensor(out.response_mask, dtype=torch.int64)
+            resp_real[i, :n] = 1
+            if log_probs is not None:
+                log_probs[i, :n] = torch.tensor(out.log_probs, dtype=torch.float32)
+    steps = torch.arange(1, resp_width + 1, dtype=torch.int64).unsqueeze(0)
+    result = {
+        "prompts": prompts, "responses": responses, "response_mask": resp_mask,
+        "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": torch.cat([prompt_mask, resp_real], dim=1),
+        "position_ids": torch.cat([prompt_pos, prompt_pos[:, -1:] + steps], dim=1),
+    }
+    if log_probs is not None:
+        result["rollout_log_probs"] = log_probs
+    return TensorDict(result, batch_size=[rows])
+
+
+def sample_columns(outputs: Sequence[AgentLoopOutput], names: Sequence[str]) -> dict[str, np.ndarray]:
+    """Per-sample numpy columns: loop name, stop reason, turns, the loop's own score (None: none), and
+    `agent_<key>` for every key of INFO_KEYS (0 where the loop did not report it)."""
+    columns = {
+        "agent_name": _objects(names),
+        "agent_stop_reason": _objects([o.stop_reason.value for o in outputs]),
+        "agent_num_turns": np.array([o.num_turns for o in outputs], dtype=np.int64),
+        "agent_reward_score": _objects([o.reward_score for o in outputs]),
+    }
+    for key in INFO_KEYS:
+        columns[f"agent_{key}"] = np.array([float(o.info.get(key, 0.0)) for o in outputs], dtype=np.float64)
+    return columns
+
+
+def _objects(values) -> np.ndarray:
+    column = np.empty(len(values), dtype=object)
+    for i, v in enumerate(values):
+        column[i] = v
+    return column

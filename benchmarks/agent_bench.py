@@ -1,0 +1,190 @@
+"""Tool-calling rollout: request-level async against turn-by-turn batched, on the same engine and work.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/agent_bench.py --json out.json
+
+Work. `--conversations` conversations (default 32), each making K tool calls (K drawn per
+conversation from `--min-calls`..`--max-calls`, default 4..8), i.e. K + 1 model turns. Each turn samples a fixed number of
+tokens with `ignore_eos` (so both modes generate exactly the same tokens): most turns are short
+(`--short` range), a fraction `--long-frac` are long (`--long` range), the long tail that a batch
+barrier waits for. Each tool call goes through the real `ToolExecutor` to a tool that waits
+`--tool-latency-s` (default 0.2 s) and returns a fixed text, whose `--tool-tokens` ids are appended
+before the next turn. Lengths and call counts come from `--seed`, identical for both modes.
+
+Modes, on one engine (vLLM by default, `--backend hf` for transformers) and the same `AsyncEngine`:
+  * `async`: every conversation is its own coroutine (what rollout.mode=async runs): its next turn
+    is submitted as soon as its tool answers, while other conversations are generating;
+  * `batched`: turn by turn, as a batched rollout would play the same conversations: all turn-t
+    requests are submitted together (one batch, each row stopping at its own length), the step
+    waits for the whole batch, then runs every tool call of the turn concurrently and waits for all
+    of them, then turn t + 1.
+Both modes run `--repeats` times, interleaved (batched, async, async, batched, ...) after one
+warm-up of each; the result is the median wall time per mode and their ratio (target: async <= 0.5 x
+batched on the 2-core box). Token and tool-call totals are reported to show the work is the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def make_work(args) -> list[dict]:
+    """Per conversation: prompt ids and the token count of each of its turns (K calls -> K + 1 turns)."""
+    rng = np.random.default_rng(args.seed)
+    work = []
+    for _ in range(args.conversations):
+        calls = int(rng.integers(args.min_calls, args.max_calls + 1))
+        lengths = []
+        for _ in range(calls + 1):
+            lo, hi = args.long if rng.random() < args.long_frac else args.short
+            lengths.append(int(rng.integers(lo, hi + 1)))
+        prompt = rng.integers(10, 400, int(rng.integers(16, 33))).tolist()
+        work.append({"prompt": prompt, "turns": lengths})
+    return work
+
+
+def build_engine(args, work: list[dict]):
+    from ballast.models import build_tiny_model
+    from ballast.workers.rollout import RolloutConfig, SamplingConfig, build_backend
+    from ballast.workers.rollout.async_engine import make_core
+
+    model = str(build_tiny_model(os.path.join(args.cache, "agent_bench_tiny"), preset=args.preset, seed=0))
+    sampling = SamplingConfig(max_response_length=args.long[1], seed=args.seed, ignore_eos=True)
+    # the longest conversation of this work (a bound from the ranges alone can pass the model's 2048 positions)
+    longest = max(len(w["prompt"]) + sum(w["turns"]) + (len(w["turns"]) - 1) * args.tool_tokens for w in work)
+    cfg = RolloutConfig(model_path=model, backend=args.backend, device="cpu", max_model_len=longest + 8,
+                        kv_cache_memory_bytes=256 << 20, max_num_seqs=max(64, args.conversations),
+                        block_size=32 if args.backend == "vllm" else None, sampling=sampling)
+    backend = build_backend(cfg)
+    return lambda: make_core(backend, sampling)
+
+
+def make_tools(latency_s: float):
+    from ballast.tools import Tool, ToolCall, ToolExecutor
+
+    class Waits(Tool):
+        default_schema = {"type": "function", "function": {"name": "lookup", "description": "a slow lookup",
+                                                           "parameters": {"type": "object", "properties": {}}}}
+
+        async def execute(self, instance_id, parameters, **kwargs):
+            await asyncio.sleep(latency_s)
+            return "result: 42"
+
+    executor = ToolExecutor({"lookup": Waits()}, max_parallel_calls=1, timeout_s=30, max_concurrency=1024)
+    return executor, ToolCall("lookup", {})
+
+
+async def _async_mode(engine, work, executor, call, tool_ids):
+    from ballast.workers.rollout.async_engine import TurnRequest
+
+    async def conversation(i, item):
+        ids = list(item["prompt"])
+        for t, n in enumerate(item["turns"]):
+            out = await engine.generate(TurnRequest(ids, n, seed=1000 * i + t))
+            ids += out.token_ids
+            if t < len(item["turns"]) - 1:
+                await executor.run_turn([call])
+                ids += tool_ids
+        return len(ids) - len(item["prompt"])
+
+    return await asyncio.gather(*(conversation(i, w) for i, w in enumerate(work)))
+
+
+async def _batched_mode(engine, work, executor, call, tool_ids):
+    from ballast.workers.rollout.async_engine import TurnRequest
+
+    seqs = [list(w["prompt"]) for w in work]
+    for t in range(max(len(w["turns"]) for w in work)):
+        active = [i for i, w in enumerate(work) if t < len(w["turns"])]
+        outs = await asyncio.gather(*(engine.generate(TurnRequest(seqs[i], work[i]["turns"][t], seed=1000 * i + t))
+                                      for i in active))
+        for i, out in zip(active, outs):
+            seqs[i] += out.token_ids
+        calling = [i for i in active if t < len(work[i]["turns"]) - 1]
+        await asyncio.gather(*(executor.run_turn([call]) for _ in calling))
+        for i in calling:
+            seqs[i] += tool_ids
+    return [len(s) - len(w["prompt"]) for s, w in zip(seqs, work)]
+
+
+def run_mode(mode: str, new_core, work, executor, call, tool_ids) -> dict:
+    from ballast.workers.rollout.async_engine import AsyncEngine
+
+    play = _async_mode if mode == "async" else _batched_mode
+
+    async def main():
+        async with AsyncEngine(new_core()) as engine:
+            start = time.perf_counter()
+            lengths = await play(engine, work, executor, call, tool_ids)
+            return time.perf_counter() - start, lengths, engine.steps
+
+    seconds, lengths, steps = asyncio.run(main())
+    return {"mode": mode, "seconds": seconds, "response_tokens": int(sum(lengths)), "engine_steps": steps}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--backend", default="vllm", choices=["vllm", "hf"])
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--conversations", type=int, default=32)
+    p.add_argument("--min-calls", type=int, default=4)
+    p.add_argument("--max-calls", type=int, default=8)
+    p.add_argument("--short", type=int, nargs=2, default=[8, 32])
+    p.add_argument("--long", type=int, nargs=2, default=[160, 256])
+    p.add_argument("--long-frac", type=float, default=0.05)
+    p.add_argument("--tool-latency-s", type=float, default=0.2)
+    p.add_argument("--tool-tokens", type=int, default=12)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "ballast_agent_bench"))
+    args = p.parse_args()
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    work = make_work(args)
+    new_core = build_engine(args, work)
+    executor, call = make_tools(args.tool_latency_s)
+    tool_ids = list(range(50, 50 + args.tool_tokens))
+    runs = {"async": [], "batched": []}
+    for mode in ("batched", "async"):  # warm-up (first-shape compiles), not counted
+        run_mode(mode, new_core, work, executor, call, tool_ids)
+    for rep in range(args.repeats):
+        for mode in (("batched", "async") if rep % 2 == 0 else ("async", "batched")):
+            r = run_mode(mode, new_core, work, executor, call, tool_ids)
+            runs[mode].append(r)
+            print(f"rep {rep} {mode}: {r['seconds']:.3f} s, {r['response_tokens']} response tokens, "
+                  f"{r['engine_steps']} engine steps", flush=True)
+    med = {m: statistics.median(r["seconds"] for r in rs) for m, rs in runs.items()}
+    calls = sum(len(w["turns"]) - 1 for w in work)
+    sampled = sum(sum(w["turns"]) for w in work)
+    result = {
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_avg_end": os.getloadavg()},
+        "config": {k: v for k, v in vars(args).items() if k != "json"},
+        "work": {"conversations": len(work), "tool_calls": calls, "sampled_tokens": sampled,
+                 "inserted_tokens": calls * args.tool_tokens, "turns": calls + len(work)},
+        "async_s": med["async"], "batched_s": med["batched"], "ratio_async_vs_batched": med["async"] / med["batched"],
+        "paired_ratios": [a["seconds"] / b["seconds"] for a, b in zip(runs["async"], runs["batched"])],
+        "runs": runs,
+    }
+    for mode, rs in runs.items():  # the same work in both modes
+        assert all(r["response_tokens"] == sampled + calls * args.tool_tokens for r in rs), mode
+    print(json.dumps({k: result[k] for k in ("work", "async_s", "batched_s", "ratio_async_vs_batched",
+                                             "paired_ratios")}, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

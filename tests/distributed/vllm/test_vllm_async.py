@@ -1,0 +1,117 @@
+"""Request-level async rollout on a real vLLM CPU engine (one engine per module): single-turn async is
+batched generation token for token, multi-turn log-probs line up with the final sequence, requests
+join a running engine mid-flight, and weight sync reaches async rollouts."""
+
+import asyncio
+
+import pytest
+import torch
+
+from ballast.protocol import Batch
+from ballast.workers.agent_loop import AgentLoopRunner, AgentLoopSpec
+from ballast.workers.rollout import RolloutConfig, SamplingConfig, build_backend, iter_full_tensors, load_weights
+from ballast.workers.rollout.async_engine import AsyncEngine, TurnRequest, make_core
+from testkit.agent import INSERTED, register_inserting_loop
+from testkit.prompts import left_padded_prompts
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
+
+PROMPTS = [[5, 6, 7, 8], [9], [10, 11], [12, 13, 14, 15, 16, 17], [9], [20, 21, 22], [30, 31], [40]]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from ballast.models import build_tiny_model
+
+    return str(build_tiny_model(str(tmp_path_factory.mktemp("vllm_async_tiny")), preset="tiny", seed=0))
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    cfg = RolloutConfig(model_path=model_dir, backend="vllm", device="cpu", max_model_len=128,
+                        kv_cache_memory_bytes=32 << 20, max_num_seqs=32,
+                        sampling=SamplingConfig(max_response_length=16, seed=11, calculate_log_probs=True))
+    backend = build_backend(cfg)
+    yield backend
+    backend.shutdown()
+
+
+@pytest.fixture(scope="module")
+def runner(engine, model_dir):
+    register_inserting_loop()
+    return AgentLoopRunner(engine, AgentLoopSpec(tokenizer_path=model_dir, prompt_length=16, response_length=32))
+
+
+@pytest.mark.parametrize("do_sample", [True, False])
+def test_single_turn_async_equals_batched_vllm(engine, runner, do_sample):
+    sampling = SamplingConfig(max_response_length=16, seed=11, calculate_log_probs=True, do_sample=do_sample)
+    prompts = left_padded_prompts(PROMPTS, position_ids=True)
+    batched = engine.generate(prompts, sampling, call_index=5)
+    result = runner.generate(Batch(prompts), sampling, call_index=5)
+    for key in batched.keys():
+        assert torch.equal(result.tensors[key], batched[key]), key
+    again = runner.generate(Batch(prompts), sampling, call_index=6)
+    if do_sample:  # another call index draws other samples
+        assert not torch.equal(again.tensors["responses"], batched["responses"])
+
+
+def test_multi_turn_log_probs_line_up_with_the_final_sequence(engine, runner):
+    sampling = SamplingConfig(max_response_length=32, seed=11, calculate_log_probs=True, ignore_eos=True)
+    prompts = Batch(left_padded_prompts(PROMPTS, position_ids=True),
+                    non_tensors={"agent_name": ["test_inserting_agent"] * len(PROMPTS)})
+    out = runner.generate(prompts, sampling, call_index=2).tensors
+    sequences, spans = [], []
+    for row in range(len(PROMPTS)):
+        seq = out["input_ids"][row][out["attention_mask"][row].bool()].tolist()
+        n = int(out["attention_mask"][row, -32:].sum())
+        assert n == 3 * 6 + 2 * len(INSERTED)
+        sequences.append(seq)
+        spans.append(n)
+    teacher = engine.prompt_log_probs(sequences)
+    for row, (lp, n) in enumerate(zip(teacher, spans)):
+        mask = out["response_mask"][row, :n].bool()
+        rollout = out["rollout_log_probs"][row, :n]
+        assert torch.allclose(rollout[mask], lp[-n:][mask], atol=1e-4), row
+        assert (rollout[~mask] == 0).all()
+
+
+def test_requests_join_a_running_engine(engine):
+    """A request submitted while others are decoding is served without waiting for them to finish."""
+    sampling = SamplingConfig(max_response_length=64, seed=1, ignore_eos=True)
+
+    async def main():
+        async with AsyncEngine(make_core(engine, sampling)) as eng:
+            long = asyncio.ensure_future(eng.generate(TurnRequest([5, 6], 64, seed=1)))
+            await asyncio.sleep(0)  # let the long one start
+            while eng.steps < 3:
+                await asyncio.sleep(0.001)
+            short = await eng.generate(TurnRequest([7], 4, seed=2))
+            steps_when_short_done = eng.steps
+            await long
+            return short, steps_when_short_done, eng.steps
+
+    short, at_short, total = asyncio.run(main())
+    assert len(short.token_ids) == 4 and at_short < total
+
+
+def test_weight_sync_reaches_async_rollouts(engine, runner, model_dir):
+    from transformers import AutoModelForCausalLM
+
+    sampling = SamplingConfig(max_response_length=8, seed=3, do_sample=False, calculate_log_probs=True)
+    prompts = Batch(left_padded_prompts(PROMPTS[:4], position_ids=True))
+    before = runner.generate(prompts, sampling).tensors
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    try:
+        load_weights(engine, iter_full_tensors(model))
+        after = runner.generate(prompts, sampling).tensors
+        assert not torch.equal(after["rollout_log_probs"], before["rollout_log_probs"])
+        batched = engine.generate(prompts.tensors, sampling)
+        assert torch.equal(after["responses"], batched["responses"])
+    finally:
+        model.load_state_dict(original)
+        load_weights(engine, iter_full_tensors(model))

@@ -1,0 +1,125 @@
+"""Test doubles for agent-loop tests: scripted engines that answer with chosen text, and a fake core.
+
+`ScriptedEngine` stands in for `AsyncEngine`: each request gets the next scripted reply for its
+conversation (found by the prompt's first tokens), tokenised with a deliberately NON-canonical
+split where asked (to prove the loop keeps sampled ids as they are), with made-up log-probs it
+remembers, so a test can check that the training sequence holds exactly what was "sampled".
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from ballast.workers.agent_loop import AgentContext, ChatFormat, MultiTurnConfig
+from ballast.workers.rollout.async_engine import TurnOutput, TurnRequest
+from ballast.workers.rollout.base import SamplingConfig
+from ballast.tools import ToolExecutor
+
+
+def char_split_ids(tokenizer, text: str) -> list[int]:
+    """`text` tokenised one character at a time: valid ids, but not the tokenizer's own split."""
+    ids = []
+    for ch in text:
+        ids.extend(tokenizer.encode(ch, add_special_tokens=False))
+    return ids
+
+
+@dataclass
+class ScriptedEngine:
+    """Replies per conversation: `scripts[key]` is a list of reply texts; the key is `key_of(prompt)`."""
+
+    tokenizer: object
+    scripts: dict
+    key_of: object
+    eos_id: int
+    non_canonical: bool = False
+    delay_s: float = 0.0
+    calls: list = field(default_factory=list)        # (request, output) in arrival order
+    sampled: dict = field(default_factory=dict)      # key -> list of (ids, log_probs) per turn
+
+    async def generate(self, request: TurnRequest) -> TurnOutput:
+        key = self.key_of(request.prompt_ids)
+        turn = len(self.sampled.setdefault(key, []))
+        text = self.scripts[key][turn]
+        ids = char_split_ids(self.tokenizer, text) if self.non_canonical else self.tokenizer.encode(
+            text, add_special_tokens=False)
+        ids = ids + [self.eos_id]
+        reason = "stop"
+        if len(ids) > request.max_tokens:
+            ids, reason = ids[: request.max_tokens], "length"
+        lps = tuple(-0.01 * (i + 1) - 0.001 * turn for i in range(len(ids)))
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        out = TurnOutput(tuple(ids), lps, reason)
+        self.sampled[key].append((list(ids), list(lps)))
+        self.calls.append((request, out))
+        return out
+
+
+def make_context(engine, tokenizer, tools=None, *, response_length=512, prompt_length=256,
+                 sanity_mode="strict", **multi_turn) -> AgentContext:
+    mt = MultiTurnConfig(enable=True, tokenization_sanity_check_mode=sanity_mode, **multi_turn)
+    executor = ToolExecutor(tools or {}, max_parallel_calls=mt.max_parallel_calls,
+                            max_response_length=mt.max_tool_response_length,
+                            truncate_side=mt.tool_response_truncate_side, timeout_s=mt.tool_timeout_s)
+    sampling = SamplingConfig(max_response_length=response_length, calculate_log_probs=True, seed=0)
+    return AgentContext(engine, ChatFormat(tokenizer, sanity_mode=sanity_mode), executor, mt, sampling,
+                        prompt_length, response_length)
+
+
+class FakeCore:
+    """An `EngineCore` that finishes each request after `steps_of(request)` steps with `reply(request)`
+    tokens; records the order of adds and steps. `fail_at_step` makes a step raise."""
+
+    def __init__(self, reply=lambda r: (7, 8), steps_of=lambda r: 1, fail_at_step=None):
+        self.reply, self.steps_of, self.fail_at_step = reply, steps_of, fail_at_step
+        self.live: dict = {}
+        self.log: list = []
+        self.step_count = 0
+
+    def add(self, request_id, request):
+        self.live[request_id] = [request, self.steps_of(request)]
+        self.log.append(("add", request_id))
+
+    def step(self):
+        self.step_count += 1
+        self.log.append(("step", len(self.live)))
+        if self.fail_at_step is not None and self.step_count >= self.fail_at_step:
+            raise RuntimeError("engine exploded")
+        done = []
+        for rid in list(self.live):
+            self.live[rid][1] -= 1
+            if self.live[rid][1] <= 0:
+                request = self.live.pop(rid)[0]
+                tokens = tuple(self.reply(request))[: request.max_tokens]
+                done.append((rid, TurnOutput(tokens, tuple(0.0 for _ in tokens), "stop")))
+        return done
+
+    def has_unfinished(self):
+        return bool(self.live)
+
+    def abort_all(self):
+        self.live.clear()
+
+
+INSERTED = (5, 6, 7, 8, 9)
+
+
+def register_inserting_loop():
+    """Register "test_inserting_agent", a multi-turn loop for real engines (random models never call
+    tools): three sampled turns of at most 6 tokens with INSERTED ids (mask 0) between them."""
+    from ballast.workers.agent_loop import AgentLoop, StopReason, Transcript, register
+
+    @register("test_inserting_agent")
+    class _Inserting(AgentLoop):
+        async def run(self, sample):
+            t = Transcript(sample.prompt_ids, with_log_probs=self.ctx.sampling.calculate_log_probs)
+            for turn in range(3):
+                if turn:
+                    t.add_inserted(INSERTED)
+                out = await self.ctx.engine.generate(TurnRequest(t.ids, 6, sample.seed(turn)))
+                t.add_sampled(out.token_ids, out.log_probs)
+            return t.output(StopReason.ANSWER, num_turns=5, info={"assistant_turns": 3.0})
+
+    return _Inserting
