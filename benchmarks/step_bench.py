@@ -35,6 +35,13 @@ single-thread fp32 matmul rate measured here before the runs. `--variant NAME=ov
 (A, B, A, B, ...) so that a loaded machine affects them alike; an item `@PATH` in a variant runs the
 Ballast source tree at PATH instead of this one (e.g. `git archive <commit>` unpacked), so a change
 can be measured against the code before it.
+
+`--whole-run` runs each case for as long as a user runs it (the quickstart's 120 steps, the real case
+`--real-whole-run-steps`, 30): beside the window, `whole_run` (per run) and `*_whole_run_s_per_step`
+(per case) average every step, warm-up and early short-response steps included, where fixed per-step
+costs weigh most. Neither figure counts process start-up. `machine.cpu` records the CPU model, its
+matmul-relevant instruction sets and the kernel level torch uses: figures from different CPUs do not
+compare.
 """
 
 from __future__ import annotations
@@ -77,6 +84,7 @@ class Case:
     extra_overrides: List[str] = field(default_factory=list)
     lora_rank: int = 0  # > 0: a LoRA adapter (PEFT, all-linear) instead of full fine-tuning (TRL side)
     lora_alpha: float = 0.0
+    whole_run_steps: int = 30  # the length of a run as a user runs it (`--whole-run`)
 
 
 def matmul_peak_flops(threads: int, seconds: float = 1.5) -> float:
@@ -87,6 +95,36 @@ def matmul_peak_flops(threads: int, seconds: float = 1.5) -> float:
 
     torch._C.set_num_threads(threads)
     return cpu_matmul_peak_flops(seconds=seconds)
+
+
+# Instruction sets that decide which kernels MKL / oneDNN pick for fp32 and bf16 matmuls.
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+             "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_info() -> dict:
+    """The CPU a result was measured on: model name, the matmul-relevant instruction sets, and the
+    kernel level torch dispatches to (results do not carry over between CPUs)."""
+    import torch
+
+    fields = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())  # the first core's
+    except OSError:
+        pass
+    model, flags = fields.get("model name") or platform.processor() or "unknown", set(fields.get("flags", "").split())
+    return {"model_name": model, "isa": [f for f in ISA_FLAGS if f in flags], "cores": os.cpu_count(),
+            "torch": torch.__version__, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "mkl": torch.backends.mkl.is_available(), "mkldnn": torch.backends.mkldnn.is_available()}
+
+
+def whole_run(per_step: List[float]) -> dict:
+    """Every step of a run, warm-up included: what a user waits for, beside the steady-state window."""
+    return {"steps": len(per_step), "total_s": sum(per_step),
+            "s_per_step_mean": sum(per_step) / len(per_step) if per_step else None}
 
 
 def forward_flops(model_dir: str, tokens_per_sample: float, response_tokens_per_sample: float,
@@ -158,7 +196,9 @@ def run_ballast(case: Case, warmup: int, steps: int, workers: int, overrides: Li
             raise RuntimeError(f"ballast run failed (exit {proc.returncode}); see {log}")
         with open(os.path.join(out_dir, "metrics.jsonl")) as f:
             rows = [json.loads(line) for line in f if line.strip()]
-    rows = [r for r in rows if "timing_s/step" in r][warmup:]
+    rows = [r for r in rows if "timing_s/step" in r]
+    whole = whole_run([r["timing_s/step"] for r in rows])
+    rows = rows[warmup:]
     med = lambda key: statistics.median(r.get(key, 0.0) for r in rows)  # noqa: E731
     phases = {name: med(f"timing_s/{key}") for name, key in PHASES.items()}
     # Weight sync and its check (LoRA runs) run inside the generate call; report generation without them.
@@ -175,7 +215,7 @@ def run_ballast(case: Case, warmup: int, steps: int, workers: int, overrides: Li
         "trainer_mfu_actor": med("perf/mfu/actor") if "perf/mfu/actor" in rows[0] else None,
         # the rank-0 worker's peak resident memory (trainer + vLLM engine), at the last step
         "max_rss_gb": rows[-1].get("perf/max_rss_gb"),
-        "wall_s": wall, "log": log, "overrides": overrides, "source_tree": root,
+        "wall_s": wall, "log": log, "overrides": overrides, "source_tree": root, "whole_run": whole,
     }
 
 
@@ -269,6 +309,7 @@ def run_trl(case: Case, warmup: int, steps: int, threads: int, log_dir: str) -> 
             out = json.load(f)
     per_step, lengths = out["per_step_s"][warmup:], out.get("response_length_mean", [])[warmup:]
     return {"s_per_step": statistics.median(per_step), "s_per_step_all": per_step,
+            "whole_run": whole_run(out["per_step_s"]),
             "response_length_mean": statistics.median(lengths) if lengths else None,
             "max_rss_gb": out.get("max_rss_gb"), "wall_s": time.perf_counter() - start, "log": log}
 
@@ -279,13 +320,15 @@ def build_cases(args) -> List[Case]:
     if "quickstart" in args.cases:
         cases.append(Case("quickstart", os.path.join(QS, "model"), os.path.join(QS, "data", "train.parquet"),
                           prompts_per_step=16, samples_per_prompt=8, max_new_tokens=64, max_prompt_length=64,
-                          optimizer_steps_per_step=2, lr=1e-3, max_token_len_per_worker=1024))
+                          optimizer_steps_per_step=2, lr=1e-3, max_token_len_per_worker=1024,
+                          whole_run_steps=120))  # the README quickstart's length
     if "real" in args.cases:
         cases.append(Case("real", args.real_model_dir or "", args.real_train_file or "",
                           prompts_per_step=args.real_prompts, samples_per_prompt=args.real_n,
                           max_new_tokens=args.real_max_new_tokens, max_prompt_length=args.real_max_prompt_length,
                           optimizer_steps_per_step=args.real_optimizer_steps, lr=args.real_lr,
-                          max_token_len_per_worker=args.real_max_token_len, reward=args.real_reward))
+                          max_token_len_per_worker=args.real_max_token_len, reward=args.real_reward,
+                          whole_run_steps=args.real_whole_run_steps))
     return cases
 
 
@@ -380,6 +423,11 @@ def summarise(case: Case, variants: Dict[str, List[dict]], trl: List[dict], peak
     out["ratio_vs_trl_paired"] = pairs
     out["peak_flops_total_per_run"] = [r.get("peak_flops_total") for r in base.get("runs", []) + trl]
     out["trl_runs"] = trl
+    # every step of the run, warm-up included: the figure a user of a whole run sees
+    out["ballast_whole_run_s_per_step"] = _median_or_none([r["whole_run"]["s_per_step_mean"] for r in base.get("runs", [])])
+    out["trl_whole_run_s_per_step"] = _median_or_none([r["whole_run"]["s_per_step_mean"] for r in trl])
+    out["whole_run_ratio_vs_trl"] = out["ballast_whole_run_s_per_step"] / out["trl_whole_run_s_per_step"] \
+        if out["ballast_whole_run_s_per_step"] and out["trl_whole_run_s_per_step"] else None
     # the work each system actually generated (median response tokens per sample over the timed steps)
     out["ballast_response_length_mean"] = statistics.median(r["response_length_mean"] for r in base.get("runs", [])) \
         if base.get("runs") else None
@@ -396,6 +444,10 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--whole-run", action="store_true",
+                   help="run each case for a whole run (quickstart 120 steps, real --real-whole-run-steps); the "
+                        "window is still the steps after --warmup, `whole_run` covers every step")
+    p.add_argument("--real-whole-run-steps", type=int, default=30)
     p.add_argument("--workers", type=int, default=2, help="Ballast CPU workers (1 thread each) = TRL's threads")
     p.add_argument("--trl-threads", type=int, help="TRL's torch threads (default: --workers, the same cores)")
     p.add_argument("--variant", action="append", default=[],
@@ -431,7 +483,8 @@ def main() -> None:
     systems = args.systems.split(",")
     peak_1 = matmul_peak_flops(1)
     peak_total = peak_1 * args.workers
-    result = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_avg_start": os.getloadavg()},
+    result = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_avg_start": os.getloadavg(),
+                          "cpu": cpu_info()},
               "matmul_peak_flops_per_thread": peak_1, "matmul_peak_flops_total": peak_total,
               "workers": args.workers, "trl_threads": args.trl_threads or args.workers, "warmup": args.warmup, "steps": args.steps, "cases": [], "skipped": []}
     for case in build_cases(args):
@@ -443,6 +496,10 @@ def main() -> None:
             print(msg, flush=True)
             result["skipped"].append({"name": case.name, "reason": msg})
             continue
+        # a whole run: the case's own length, the window still excludes the first --warmup steps
+        steps = case.whole_run_steps - args.warmup if args.whole_run else args.steps
+        if steps < 1:
+            raise SystemExit(f"--warmup {args.warmup} leaves no step of the {case.whole_run_steps}-step {case.name} run")
         runs: Dict[str, List[dict]] = {k: [] for k in variants}
         trl: List[dict] = []
         trl_lora: List[dict] = []
@@ -454,7 +511,7 @@ def main() -> None:
                 if "ballast" in systems:
                     try:
                         peak = matmul_peak_flops(1) * args.workers
-                        r = run_ballast(case, args.warmup, args.steps, args.workers, overrides, args.log_dir)
+                        r = run_ballast(case, args.warmup, steps, args.workers, overrides, args.log_dir)
                         r["peak_flops_total"] = peak
                     except RuntimeError as err:  # e.g. killed by a memory-starved shared machine
                         print(f"[{case.name}] ballast/{name} rep {rep} FAILED: {err}", flush=True)
@@ -466,7 +523,7 @@ def main() -> None:
             if "trl" in systems:
                 try:
                     peak = matmul_peak_flops(1) * args.workers
-                    trl.append(run_trl(case, args.warmup, args.steps, args.trl_threads or args.workers, args.log_dir))
+                    trl.append(run_trl(case, args.warmup, steps, args.trl_threads or args.workers, args.log_dir))
                     trl[-1]["peak_flops_total"] = peak
                     print(f"[{case.name}] trl rep {rep}: {trl[-1]['s_per_step']:.3f} s/step", flush=True)
                 except RuntimeError as err:
@@ -474,7 +531,7 @@ def main() -> None:
                     result.setdefault("failed_runs", []).append(f"{case.name}/trl/{rep}: {err}")
             if args.lora and ("trl" in systems or "trl_lora" in systems):
                 try:
-                    trl_lora.append(run_trl(lora_case, args.warmup, args.steps, args.trl_threads or args.workers,
+                    trl_lora.append(run_trl(lora_case, args.warmup, steps, args.trl_threads or args.workers,
                                             args.log_dir))
                     print(f"[{case.name}] trl_lora rep {rep}: {trl_lora[-1]['s_per_step']:.3f} s/step", flush=True)
                 except RuntimeError as err:
@@ -491,7 +548,8 @@ def main() -> None:
             continue
         result["cases"].append(summary)
         print(json.dumps({k: summary.get(k) for k in ("name", "ballast_s_per_step", "trl_s_per_step", "ratio_vs_trl",
-                                                       "ratio_vs_trl_paired",
+                                                       "ratio_vs_trl_paired", "ballast_whole_run_s_per_step",
+                                                       "trl_whole_run_s_per_step", "whole_run_ratio_vs_trl",
                                                        "ballast_response_length_mean", "trl_response_length_mean",
                                                        "phases", "mfu_update", "hfu_update", "mfu_log_prob", "floor_s",
                                                        "lora")}, indent=1), flush=True)
