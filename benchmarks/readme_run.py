@@ -1,0 +1,124 @@
+"""The README's real-model run (examples/run_grpo_smollm2_cpu.sh: GRPO on SmolLM2-135M-Instruct's
+arithmetic task) as a building block for experiments that compare variants of it over seeds
+(benchmarks/rollout_correction_mismatch.py, benchmarks/lora_learning.py): its overrides, the shared
+command-line arguments, one run as a subprocess with its metrics read back, the held-out summary,
+and `--resume` of an interrupted sweep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import List, Optional, Tuple
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def overrides(model_dir: str, data_dir: str, seed: int, steps: int, test_freq: int, out_dir: str) -> List[str]:
+    """examples/run_grpo_smollm2_cpu.sh's run for `steps` steps; its lr is the caller's to set."""
+    return [
+        f"actor_rollout_ref.model.path={model_dir}", f"data.train_files={data_dir}/train.parquet",
+        f"data.val_files={data_dir}/val.parquet", "data.max_prompt_length=64", "data.max_response_length=32",
+        "data.train_batch_size=8", f"data.seed={seed}", "actor_rollout_ref.rollout.name=vllm",
+        "actor_rollout_ref.rollout.n=4", f"actor_rollout_ref.rollout.seed={seed}", "actor_rollout_ref.rollout.block_size=32",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.use_dynamic_bsz=True", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=1024",
+        "actor_rollout_ref.model.use_remove_padding=True", "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.actor.fsdp_config.reshard_after_forward=false",
+        "actor_rollout_ref.actor.fsdp_config.fsdp_size=1", "trainer.device=cpu", "trainer.n_gpus_per_node=2",
+        "trainer.balance_batch=True", f"trainer.seed={seed}", "trainer.logger=[jsonl]",
+        f"trainer.default_local_dir={out_dir}", "trainer.resume_mode=disable", "trainer.val_before_train=True",
+        f"trainer.test_freq={test_freq}", "trainer.save_freq=-1", f"trainer.total_training_steps={steps}",
+    ]
+
+
+def add_arguments(p: argparse.ArgumentParser, log_dir: str, variants: str) -> None:
+    """The arguments every sweep of the README run takes."""
+    p.add_argument("--model-dir", help="SmolLM2 float32 directory (default: ballast.models.from_gguf.real_model_dir)")
+    p.add_argument("--data-dir", help="arithmetic task directory (default: written into .cache/data/arithmetic)")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--test-freq", type=int, default=5)
+    p.add_argument("--seeds", default="1,2")
+    p.add_argument("--variants", default=variants)
+    p.add_argument("--log-dir", default=os.path.join(ROOT, "outputs", log_dir))
+    p.add_argument("--json")
+    p.add_argument("--resume", action="store_true", help="skip the runs --json already holds (exit code 0)")
+
+
+def resolve_task(args: argparse.Namespace) -> None:
+    """Fill in the default model (converted once per machine) and task (written once) directories."""
+    if args.model_dir is None:
+        from ballast.models.from_gguf import real_model_dir
+
+        args.model_dir = str(real_model_dir("float32"))
+    if args.data_dir is None:
+        from ballast.data import write_arithmetic_dataset
+
+        args.data_dir = os.path.join(os.environ.get("BALLAST_CACHE_DIR", os.path.join(ROOT, ".cache")), "data", "arithmetic")
+        if not os.path.exists(os.path.join(args.data_dir, "val.parquet")):  # examples/run_grpo_smollm2_cpu.sh's task
+            write_arithmetic_dataset(args.data_dir, train_size=512, val_size=64, seed=0, kinds=("add", "mul"),
+                                     lo=2, hi=40, b_lo=2, b_hi=9)
+    os.makedirs(args.log_dir, exist_ok=True)
+
+
+def completed_runs(args: argparse.Namespace) -> List[dict]:
+    """With --resume, the successful runs --json already holds (an interrupted sweep keeps them)."""
+    if args.resume and args.json and os.path.exists(args.json):
+        with open(args.json) as f:
+            return [r for r in json.load(f)["results"] if r["exit_code"] == 0]
+    return []
+
+
+def run_trainer(args: argparse.Namespace, seed: int, extra: List[str], log: str) -> Tuple[List[dict], float, int]:
+    """One run of the trainer (the README run + `extra`) in a subprocess: (metrics rows, wall s, exit code)."""
+    with tempfile.TemporaryDirectory(prefix="readme_run_") as tmp:
+        out_dir = os.path.join(tmp, "run")
+        env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", RAY_AUTH_MODE="disabled",
+                   RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
+                   VLLM_CACHE_ROOT=os.path.join(tmp, "vllm"), TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, "inductor"),
+                   TMPDIR=tmp, PYTHONPATH=ROOT)
+        cmd = [sys.executable, "-m", "ballast.trainer.main",
+               *overrides(args.model_dir, args.data_dir, seed, args.steps, args.test_freq, out_dir), *extra]
+        start = time.perf_counter()
+        with open(log, "w") as f:
+            proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+        wall = time.perf_counter() - start
+        rows = []
+        path = os.path.join(out_dir, "metrics.jsonl")
+        if os.path.exists(path):
+            with open(path) as f:
+                rows = [json.loads(line) for line in f if line.strip()]
+    return rows, wall, proc.returncode
+
+
+def step_rows(rows: List[dict]) -> List[dict]:
+    return [r for r in rows if "timing_s/step" in r]
+
+
+def mean(key: str, rows: List[dict]) -> Optional[float]:
+    values = [r[key] for r in rows if key in r]
+    return statistics.mean(values) if values else None
+
+
+def median(key: str, rows: List[dict]) -> Optional[float]:
+    values = [r[key] for r in rows if key in r]
+    return statistics.median(values) if values else None
+
+
+def run_summary(name: str, seed: int, rows: List[dict], wall: float, code: int, log: str, extra: List[str]) -> dict:
+    """What every variant reports: identity, the held-out curve (start, final, best), the train score
+    of the last half of the steps."""
+    steps = step_rows(rows)
+    val = [(r["step"], r["val/score/mean"]) for r in rows if "val/score/mean" in r]
+    return {
+        "variant": name, "seed": seed, "exit_code": code, "log": log, "overrides": extra, "wall_s": wall,
+        "steps": len(steps), "val_curve": val, "val_final": val[-1][1] if val else None,
+        "val_start": val[0][1] if val else None, "val_best": max(v for _, v in val) if val else None,
+        "train_score_last_half": mean("critic/score/mean", steps[len(steps) // 2:]),
+    }
