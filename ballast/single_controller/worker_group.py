@@ -9,6 +9,8 @@ never returns to the driver in between.
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import inspect
 import os
@@ -152,6 +154,15 @@ class RayWorkerGroup:
         chunk_refs = [refs[w] for w in collect]
         future = BatchFuture(self, method, chunk_refs, refs, ranks, pad_count)
         return future.get() if reg.blocking else future
+
+    def submit(self, method: str, *args, **kwargs) -> BatchFuture:
+        """Call the Batch-splitting group method `method` without waiting: the calls are submitted now
+        (each worker runs its calls in the order they were submitted) and the returned future's
+        `get()` waits for them and concatenates the results."""
+        reg = registration_of(getattr(self.worker_cls, method, None))
+        if reg is None or reg.dispatch not in (Dispatch.DP_COMPUTE_PROTO, Dispatch.MESH):
+            raise ValueError(f"{self.name}.{method} is not a Batch-splitting group method; submit() cannot defer it")
+        return self._call(method, dataclasses.replace(reg, blocking=False), *args, **kwargs)
 
     def _split(self, args, kwargs, num_chunks: int, pad: bool, what: str):
         """Split Batch arguments; a BatchFuture with matching chunks is passed through by reference."""

@@ -37,6 +37,7 @@ from ballast.workers.sync_check import SyncCheck, check_tolerance, probe_tokens
 from ballast.workers.train_loop import UpdateResult, run_train_loop
 
 UPDATE_WEIGHTS_METRIC = "timing_s/update_weights"
+GENERATE_SECONDS_METRIC = "timing_s/generate_on_worker"  # the call's own seconds (sync + generation)
 
 ENGINE_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
 PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
@@ -131,6 +132,7 @@ class ActorRolloutRefWorker(Worker):
         # before the cache comes back. A level-2 sleep discarded the engine's weights, so they are
         # reloaded after every such sleep, not only after an actor update.
         metrics = {}
+        call_start = time.perf_counter()
         synced = self._weights_stale or self.rollout.needs_weights
         if synced:
             start = time.perf_counter()
@@ -154,6 +156,7 @@ class ActorRolloutRefWorker(Worker):
             out = tp_generate(self.rollout, prompts.tensors.select(*PROMPT_KEYS), self._tp_group, sampling,
                               call_index=call_index)
         self.rollout.sleep()
+        metrics[GENERATE_SECONDS_METRIC] = [time.perf_counter() - call_start]
         return Output(Batch(out, non_tensors=non_tensors, meta=dict(prompts.meta)), metrics)
 
     # ------------------------------------------------------------------ actor

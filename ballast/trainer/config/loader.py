@@ -16,15 +16,13 @@ from typing import Iterable, Optional
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from ballast.trainer.config.errors import ConfigError  # noqa: F401 (the loader's error, re-exported)
+from ballast.trainer.config.off_policy import apply_off_policy_defaults
 from ballast.trainer.config.overrides import ambiguous_overrides
 from ballast.trainer.config.schema import BallastConfig, Choice
 from ballast.trainer.config.schema.choice import values
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
-
-
-class ConfigError(ValueError):
-    """A config that cannot run. The message names the key(s) and value(s) involved."""
 
 
 def load_config(overrides: Iterable[str] = (), config_name: str = "ppo_trainer") -> BallastConfig:
@@ -66,6 +64,8 @@ def to_typed(cfg: DictConfig) -> BallastConfig:
     except OmegaConfBaseException as err:
         raise ConfigError(_describe(err)) from err
     plain.pop("hydra", None)
+    for line in apply_off_policy_defaults(plain):
+        print(line, flush=True)
     data = plain.get("data", {})
     if isinstance(data, dict):
         for key in ("train_files", "val_files"):

@@ -18,6 +18,7 @@ from typing import Iterable
 from ballast.trainer.config.derived import uses_critic
 from ballast.trainer.config.fsdp import check_fsdp
 from ballast.trainer.config.loader import ConfigError
+from ballast.trainer.config.off_policy import check_off_policy
 from ballast.trainer.config.schema import BallastConfig, OptimSection, ResumeMode
 from ballast.trainer.config.schema.choice import values
 
@@ -192,6 +193,7 @@ def _check_rules(cfg: BallastConfig) -> None:
     if cfg.trainer.critic_warmup > 0 and not uses_critic(cfg):
         raise ConfigError(f"trainer.critic_warmup={cfg.trainer.critic_warmup} needs a critic (algorithm.adv_estimator=gae)")
     _check_dapo(cfg)
+    check_off_policy(cfg)
     if cfg.trainer.val_only and not data.val_files:
         raise ConfigError("trainer.val_only=True needs data.val_files")
     _check_loader(cfg)

@@ -116,6 +116,9 @@ class RewardManager:
         self.overlong = overlong
         self.timeout_s = timeout_s
         self._call = _TimedCaller(timeout_s) if timeout_s is not None else (lambda fn, *args: fn(*args))
+        # One batch at a time: with off-policy overlap a generated-ahead batch is scored on the rollout
+        # pipeline's thread while validation may score on the main thread.
+        self._busy = threading.Lock()
 
     @classmethod
     def from_config(cls, tokenizer, path: Optional[str], name: str, reward_fn_key: str,
@@ -129,6 +132,10 @@ class RewardManager:
         """(token_level_scores (B, R) float32, extra per-sample values returned by the score function).
 
         `step` (the training step, None for validation) only goes into error messages."""
+        with self._busy:
+            return self._score_batch(batch, step)
+
+    def _score_batch(self, batch: Batch, step: Optional[int]) -> Tuple[torch.Tensor, Dict[str, np.ndarray]]:
         responses, mask = batch["responses"], batch["response_mask"]
         # The response's real tokens (sampled and, in multi-turn rollouts, inserted tool/user tokens:
         # the score function reads the whole conversation, as in verl); the score goes on the last

@@ -10,6 +10,34 @@ from ballast.trainer.config.schema.choice import choice
 # The named values of `trainer.resume_mode`; the field stays a string because a checkpoint directory
 # is a value too.
 ResumeMode = choice("ResumeMode", __name__, "auto", "disable", "resume_path")
+# verl's V1 trainer modes (`trainer.v1.trainer_mode`).
+TrainerMode = choice("TrainerMode", __name__, "sync", "colocate_async", "separate_async")
+
+
+@dataclass(frozen=True)
+class ColocateAsyncConfig:
+    num_warmup_batches: float
+    """Batches generated ahead of the one being trained: the staleness bound `k` (0: synchronous)."""
+
+
+@dataclass(frozen=True)
+class SeparateAsyncConfig:
+    num_warmup_batches: float
+    """Batches generated ahead on the separate rollout pool (verl's key; the mode is not built yet)."""
+    parameter_sync_step: int
+    """Accepted for verl compatibility: trainer steps between weight syncs into the separate rollout
+    pool of `trainer_mode=separate_async`, which is refused at start-up until it is built."""
+
+
+@dataclass(frozen=True)
+class TrainerV1Config:
+    trainer_mode: TrainerMode
+    """`sync` (every step generates with the current weights) or `colocate_async` (the rollouts of the
+    next `num_warmup_batches` steps are generated ahead, on the same workers, while this one trains)."""
+    colocate_async: ColocateAsyncConfig
+    """Settings of `trainer_mode=colocate_async`."""
+    separate_async: SeparateAsyncConfig
+    """Settings of `trainer_mode=separate_async` (verl's keys; refused at start-up until it is built)."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +96,8 @@ class TrainerConfig:
     """On SIGTERM/Ctrl-C: true finishes the step and saves first; false stops at once."""
     move_old_run_aside: bool
     """A fresh start in a directory holding a run: true moves it to `<dir>.old-<time>`; false refuses."""
+    v1: TrainerV1Config
+    """verl's V1 trainer modes: synchronous or off-policy overlap (docs/off_policy.md)."""
 
 
 @dataclass(frozen=True)

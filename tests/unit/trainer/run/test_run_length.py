@@ -12,6 +12,7 @@ from ballast.models import load_tokenizer, tiny_model_dir
 from ballast.trainer.config import load_config
 from ballast.trainer.run.data import DataExhausted, RunData
 from ballast.trainer.ray_trainer import RayPPOTrainer
+from ballast.trainer.step.rollout_pipeline import Rollout, RolloutPipeline
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +70,9 @@ class _Tracker:
         self.lines.append(line)
 
 
-def _trainer(steps_with_data, save_freq, total_steps=10):
-    """A RayPPOTrainer whose steps are instant and whose data lasts `steps_with_data` steps."""
+def _trainer(steps_with_data, save_freq, total_steps=10, ahead=0):
+    """A RayPPOTrainer whose steps are instant and whose data lasts `steps_with_data` steps; its rollout
+    pipeline generates `ahead` steps ahead."""
     cfg = load_config(["data.train_files=/d", "actor_rollout_ref.model.path=/m", "trainer.test_freq=-1",
                        "trainer.val_before_train=False", f"trainer.save_freq={save_freq}"])
     trainer = object.__new__(RayPPOTrainer)
@@ -85,14 +87,23 @@ def _trainer(steps_with_data, save_freq, total_steps=10):
     trainer.cfg, trainer.total_steps, trainer.global_step = cfg, total_steps, 0
     trainer.data = SimpleNamespace(next_prompts=next_prompts, val=None)
     trainer.tracker, trainer._pending_metrics = _Tracker(), {}
-    trainer.train_step = lambda prompts, step: {"training/global_step": float(step)}
+    trainer.rollouts = RolloutPipeline(next_prompts, lambda prompts: Rollout(prompts, 0, None), ahead, total_steps)
+
+    def train_step(step):
+        rollout, _ = trainer.rollouts.take(step)
+        return {"training/global_step": float(rollout.step)}
+
+    trainer.train_step = train_step
+    trainer.drawn = drawn
     trainer.save_checkpoint = lambda: saved.append(trainer.global_step)
     return trainer, saved
 
 
+@pytest.mark.parametrize("ahead", [0, 2])
 @pytest.mark.parametrize("save_freq, saves", [(2, [2, 3]), (3, [3]), (-1, [])])
-def test_training_stops_when_the_data_runs_out_and_says_so(save_freq, saves):
-    trainer, saved = _trainer(steps_with_data=3, save_freq=save_freq)
+def test_training_stops_when_the_data_runs_out_and_says_so(save_freq, saves, ahead):
+    # Generated ahead or not, the steps whose data exists train; the first without data ends the run.
+    trainer, saved = _trainer(steps_with_data=3, save_freq=save_freq, ahead=ahead)
     last = trainer.fit()
     assert trainer.global_step == 3 and last["training/global_step"] == 3.0 and trainer.tracker.logged == [1, 2, 3]
     assert trainer.tracker.lines == ["ballast: the training data of trainer.total_epochs=1 is used up: training "
@@ -100,7 +111,10 @@ def test_training_stops_when_the_data_runs_out_and_says_so(save_freq, saves):
     assert saved == saves  # the last trained step is checkpointed once when checkpoints are on
 
 
-def test_a_run_whose_data_lasts_its_steps_ends_without_a_notice():
-    trainer, saved = _trainer(steps_with_data=10, save_freq=5)
+@pytest.mark.parametrize("ahead", [0, 1])
+def test_a_run_whose_data_lasts_its_steps_ends_without_a_notice(ahead):
+    # Nothing is drawn past the last step, even when generating ahead.
+    trainer, saved = _trainer(steps_with_data=10, save_freq=5, ahead=ahead)
     trainer.fit()
     assert trainer.global_step == 10 and trainer.tracker.lines == [] and saved == [5, 10]
+    assert trainer.drawn == list(range(1, 11))

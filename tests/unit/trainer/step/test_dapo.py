@@ -1,5 +1,6 @@
 """DAPO's data-side pieces: the overlong reward buffer and dynamic sampling (filter_groups)."""
 
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -13,6 +14,7 @@ from ballast.trainer.run.data import DataExhausted
 from ballast.trainer.step.dynamic_sampling import filter_metric_values, informative_groups
 from ballast.trainer.ray_trainer import DynamicSamplingError, RayPPOTrainer
 from ballast.trainer.step.reward import OverlongBuffer, RewardManager
+from ballast.trainer.step.rollout_pipeline import PendingRollout
 
 from testkit.prompts import left_padded_prompts
 
@@ -83,19 +85,26 @@ def _trainer(overrides, rewards_per_call, make_prompts=None, rollout=None):
         return Batch({"x": torch.zeros(2, 1)}, {"uid": np.array([f"{uid_prefix}-0", f"{uid_prefix}-1"], dtype=object)})
 
     trainer.cfg = cfg
-    trainer._weight_sync_s = 0.0
     trainer.workers = SimpleNamespace(actor_rollout=SimpleNamespace(generate_sequences=generate_sequences))
     trainer.reward = reward
     trainer.data = SimpleNamespace(next_prompts=next_prompts, pad_token_id=PAD)
     return trainer, calls
 
 
+def _generate_and_score(trainer, prompts, step):
+    """The rollout pipeline's two halves for one step whose first prompts are `prompts`: (batch, timing, metrics)."""
+    first = trainer.workers.actor_rollout.generate_sequences(
+        prompts.repeat(trainer.cfg.actor_rollout_ref.rollout.n, interleave=True), call_index=step)
+    pending = PendingRollout(step, step - 1, SimpleNamespace(get=lambda: first), time.perf_counter())
+    rollout = trainer.finish_rollout(pending)
+    return rollout.batch, rollout.timing, rollout.metrics
+
+
 def test_dynamic_sampling_generates_until_the_batch_is_full():
     # call 1: prompt 0 all-equal (dropped), prompt 1 informative; call 2: both informative -> 3 groups, keep 2
     trainer, calls = _trainer([], [[1, 1, 0, 1], [0, 1, 1, 0]])
     prompts = Batch({"x": torch.zeros(2, 1)}, {"uid": np.array(["s-0", "s-1"], dtype=object)})
-    metrics, timing = {}, {}
-    batch = trainer.generate_and_score(prompts, 5, timing, metrics)
+    batch, timing, metrics = _generate_and_score(trainer, prompts, 5)
     assert len(batch) == 4 and list(batch["uid"]) == ["s-1", "s-1", "step5.gen1-0", "step5.gen1-0"]
     assert batch["token_level_scores"][:, 0].tolist() == [0.0, 1.0, 0.0, 1.0]
     assert metrics["train/num_gen_batches"] == 2 and metrics["training/filter_groups/evicted_samples"] == 1
@@ -109,7 +118,7 @@ def test_dynamic_sampling_gives_up_after_max_num_gen_batches():
     trainer, _ = _trainer(["algorithm.filter_groups.max_num_gen_batches=2"], [[1, 1, 0, 0], [1, 1, 1, 1]])
     prompts = Batch({"x": torch.zeros(2, 1)}, {"uid": np.array(["s-0", "s-1"], dtype=object)})
     with pytest.raises(DynamicSamplingError, match="2 generation batches .* gave only 0 of data.train_batch_size=2"):
-        trainer.generate_and_score(prompts, 1, {}, {})
+        _generate_and_score(trainer, prompts, 1)
 
 
 def _prompts(token_lists, uid_prefix):
@@ -132,7 +141,7 @@ def test_dynamic_sampling_combines_generation_batches_of_different_prompt_widths
     further = {"step3.gen1": [[40, 41, 42, 43], [50, 51]]}
     trainer, _ = _trainer([], [[1, 1, 0, 1], [0, 1, 1, 0]], make_prompts=lambda prefix: _prompts(further[prefix], prefix),
                           rollout=_rollout)
-    batch = trainer.generate_and_score(_prompts([[20, 21], [30]], "s"), 3, {}, {})
+    batch, _, _ = _generate_and_score(trainer, _prompts([[20, 21], [30]], "s"), 3)
     assert list(batch["uid"]) == ["s-1", "s-1", "step3.gen1-0", "step3.gen1-0"]
     assert batch["prompts"].shape == (4, 4) and batch["input_ids"].shape == (4, 7)
     prompts = prompt_token_lists(batch["prompts"], batch["attention_mask"][:, :4])
@@ -151,4 +160,4 @@ def test_running_out_of_data_mid_step_names_the_groups_left_untrained():
     prompts = Batch({"x": torch.zeros(2, 1)}, {"uid": np.array(["s-0", "s-1"], dtype=object)})
     with pytest.raises(DataExhausted, match="total_epochs=1 is used up; the 1 of data.train_batch_size=2 prompt "
                                             "groups collected from 1 generation batches are not trained on"):
-        trainer.generate_and_score(prompts, 4, {}, {})
+        _generate_and_score(trainer, prompts, 4)

@@ -1,0 +1,182 @@
+"""The rollouts of the next steps, generated while this one trains (off-policy overlap), with the
+synchronous trainer as the case of none generated ahead.
+
+Each step's batch is made in two halves:
+
+* `launch(step)` on the driver's main thread: draw the prompts and submit their generation to the
+  workers without waiting. Submitting on the main thread, at one fixed point of the loop, fixes which
+  weights generate the batch: a worker runs its calls in the order they were submitted, so a
+  generation submitted before step t's update runs on the weights from before that update. Which
+  version generated a batch therefore never depends on thread timing, and a run is reproducible.
+* `finish(pending)` on one helper thread, in launch order: wait for the generation, then score it.
+  A reward that waits on I/O (a verifier service) thereby overlaps the workers' training of the
+  current step, and the driver's own per-step work overlaps the next generation.
+
+The trainer launches the next batches right after a step's last weight-changing worker call
+returns (`launch_through(step + 1 + ahead)`): a worker runs the generation after that update, so it
+samples with the new weights when `ahead=0` (the synchronous trainer) and with weights `ahead`
+updates old otherwise; either way the driver's end-of-step work (metrics, logging) and, with
+`ahead>0`, the scoring of the batches ahead overlap the workers. `take(step)` waits for step's batch
+(launching it first if nothing did: the first step, or after a resume) and re-raises on the main
+thread whatever its halves raised (the data running out, a worker failure).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import pickle
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable, Deque, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from ballast.protocol import Batch
+
+STALENESS = "training/off_policy/trajectory_staleness"
+
+
+@dataclass
+class Rollout:
+    """A step's generated and scored batch."""
+
+    step: int
+    version: int
+    """Actor updates the generating weights had seen (the global step when it was launched)."""
+    batch: Batch
+    timing: Dict[str, float] = field(default_factory=dict)
+    metrics: Dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class PendingRollout:
+    """A step's generation, submitted and not yet waited for."""
+
+    step: int
+    version: int
+    future: object
+    """The worker group's future of the generation (its `get()` returns the `Output`)."""
+    start: float
+    """`time.perf_counter()` at submission."""
+
+
+class RolloutPipeline:
+    def __init__(self, launch: Callable[[int], object], finish: Callable[[object], Rollout], ahead: int,
+                 last_step: int) -> None:
+        if ahead < 0:
+            raise ValueError(f"ahead={ahead} must be >= 0")
+        self.ahead, self.last_step = ahead, last_step
+        self._launch, self._finish = launch, finish
+        self._pending: Deque[Tuple[int, Future]] = collections.deque()
+        self._next = None  # the next step to launch
+        self._work: "queue.Queue" = queue.Queue()
+        self._thread: Optional[threading.Thread] = None
+
+    def take(self, step: int) -> Tuple[Rollout, float]:
+        """(step's rollout, seconds the caller waited for it). Steps must be taken in order."""
+        if self._next is None:
+            self._next = step
+        if self._pending and self._pending[0][0] != step:
+            raise RuntimeError(f"rollout pipeline: step {step} taken, but step {self._pending[0][0]} is next")
+        self.launch_through(step + self.ahead)
+        start = time.perf_counter()
+        launched, future = self._pending.popleft()
+        assert launched == step, (launched, step)
+        rollout = future.result()  # re-raises what launch or finish raised
+        return rollout, time.perf_counter() - start
+
+    def launch_through(self, last: int) -> None:
+        """Launch every step up to `last` (never past the run's last step) not launched yet."""
+        if self._next is None:
+            raise RuntimeError("rollout pipeline: launch_through() before the first take()")
+        while self._next <= min(last, self.last_step):
+            future: Future = Future()
+            try:
+                pending = self._launch(self._next)
+            except Exception as err:  # raised when this step is taken, not before: earlier steps still train
+                future.set_exception(err)
+            else:
+                self._serve()
+                self._work.put((pending, future))
+            self._pending.append((self._next, future))
+            self._next += 1
+
+    def _serve(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="ballast-rollout", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            pending, future = self._work.get()
+            if pending is None:
+                return
+            try:
+                future.set_result(self._finish(pending))
+            except BaseException as err:  # handed to the main thread by take()
+                future.set_exception(err)
+
+    def ahead_rollouts(self) -> List[Rollout]:
+        """Every launched rollout not yet taken, finished (waits for them): what a checkpoint keeps."""
+        return [future.result() for _, future in self._pending]
+
+    def restore(self, rollouts: List[Rollout]) -> None:
+        """Queue rollouts saved by `ahead_rollouts` (a resumed run trains on exactly these)."""
+        if self._pending or self._next is not None:
+            raise RuntimeError("rollout pipeline: restore() must come before the first take()")
+        for rollout in rollouts:
+            future: Future = Future()
+            future.set_result(rollout)
+            self._pending.append((rollout.step, future))
+        if rollouts:
+            self._next = rollouts[-1].step + 1
+
+    def close(self) -> None:
+        """Stop the helper thread once it is idle (a rollout it is finishing is abandoned)."""
+        if self._thread is not None:
+            self._work.put((None, None))
+            self._thread = None
+
+
+def idle_metrics(timing: Dict[str, float]) -> Dict[str, float]:
+    """Idle ratios of a step (`timing`: seconds per phase, with `step`, `wait_rollout` and, when the
+    workers reported it, `gen_workers`): the trainer is idle while it waits for the step's batch; the
+    rollout is idle for the part of a step's wall time its engines were not generating this batch."""
+    step = timing.get("step", 0.0)
+    if step <= 0:
+        return {}
+    metrics = {"perf/trainer_idle_ratio": min(timing.get("wait_rollout", 0.0) / step, 1.0)}
+    if "gen_workers" in timing:
+        metrics["perf/rollout_idle_ratio"] = max(1.0 - timing["gen_workers"] / step, 0.0)
+    return metrics
+
+
+def staleness_metrics(rollout: Rollout, step: int) -> Dict[str, float]:
+    """verl's off-policy metrics: how many updates behind the policy being trained each sample's
+    generating weights were (every sample of a batch shares one version: no partial rollouts)."""
+    age = np.full(len(rollout.batch), (step - 1) - rollout.version, dtype=np.float64)
+    return {f"{STALENESS}/mean": float(age.mean()), f"{STALENESS}/max": float(age.max()),
+            f"{STALENESS}/min": float(age.min())}
+
+
+AHEAD_FILE = "rollouts_ahead.pkl"
+
+
+def save_rollouts_ahead(path: str, rollouts: List[Rollout]) -> None:
+    """Keep the rollouts generated ahead in checkpoint `path`: the data loader's saved position is past
+    their prompts, and a resumed run trains on them exactly as the uninterrupted run would have."""
+    if rollouts:
+        with open(os.path.join(path, AHEAD_FILE), "wb") as f:
+            pickle.dump([(r.step, r.version, r.batch, r.timing, r.metrics) for r in rollouts], f)
+
+
+def load_rollouts_ahead(path: str) -> List[Rollout]:
+    file = os.path.join(path, AHEAD_FILE)
+    if not os.path.isfile(file):
+        return []
+    with open(file, "rb") as f:  # written by save_rollouts_ahead into a checkpoint this run verified
+        return [Rollout(*fields) for fields in pickle.load(f)]

@@ -1,0 +1,149 @@
+"""Off-policy overlap against the synchronous trainer, on exactly the same work.
+
+Two measurements, each a set of whole `python -m ballast.trainer.main --config-name quickstart` runs
+(the README's tiny GRPO task: real vLLM rollouts, 2 CPU workers):
+
+* `--case io` (speed): the reward waits on I/O, as a remote verifier service does: every batch's
+  scoring sleeps `--latency-s` in total (spread evenly over its samples; the driver's CPU is free
+  meanwhile). Sync (`trainer.v1.trainer_mode=sync`) and each `--ahead` k (`colocate_async`,
+  `num_warmup_batches=k`) run the same prompts, steps and seeds, interleaved `--repeats` times so a
+  loaded machine affects them alike. Reported: the mean `timing_s/step` over the steps after
+  `--warmup`, its phases, the idle ratios, and the ratio of each k to sync.
+* `--case learn` (learning): whole quickstart runs, sync vs k for every seed in `--seeds`, no reward
+  latency; held-out (greedy) score at the start and at the end, and the mean training score of the
+  last 10 steps.
+
+    python benchmarks/off_policy_bench.py --case io --json outputs/off_policy_io.json
+    python benchmarks/off_policy_bench.py --case learn --json outputs/off_policy_learn.json
+
+The compute-bound real-model comparison is step_bench's `--variant` (docs/off_policy.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from step_bench import ROOT, _env, cpu_info, ensure_quickstart  # noqa: E402
+
+REWARD_FILE = """\
+import os, time
+from ballast.data.rewards import default_compute_score
+_PER_SAMPLE_S = float(os.environ["BALLAST_BENCH_REWARD_S_PER_SAMPLE"])
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    time.sleep(_PER_SAMPLE_S)  # a verifier service's round trip: the driver waits, its CPU is idle
+    return default_compute_score(data_source, solution_str, ground_truth, extra_info)
+"""
+PHASES = ("step", "wait_rollout", "gen", "gen_workers", "reward", "update_actor", "old_log_prob", "update_weights")
+
+
+def variant_overrides(ahead: int) -> List[str]:
+    if ahead == 0:
+        return ["trainer.v1.trainer_mode=sync"]
+    return ["trainer.v1.trainer_mode=colocate_async", f"trainer.v1.colocate_async.num_warmup_batches={ahead}"]
+
+
+def run(name: str, overrides: List[str], log_dir: str, env_extra: Dict[str, str]) -> List[dict]:
+    """One quickstart run; its metrics rows (one per step, validation rows included)."""
+    out = os.path.join(log_dir, name)
+    env = _env(ROOT)
+    env.update(env_extra)
+    cmd = [sys.executable, "-m", "ballast.trainer.main", "--config-name", "quickstart", "trainer.resume_mode=disable",
+           "trainer.move_old_run_aside=true", f"trainer.default_local_dir={out}", "trainer.save_freq=-1", *overrides]
+    start = time.time()
+    with open(os.path.join(log_dir, f"{name}.log"), "w") as log:
+        subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
+    print(f"[off_policy_bench] {name}: {time.time() - start:.0f} s", flush=True)
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def io_case(args, log_dir: str) -> dict:
+    samples = args.train_batch_size * args.n
+    reward = os.path.join(log_dir, "io_reward.py")
+    with open(reward, "w") as f:
+        f.write(REWARD_FILE)
+    env = {"BALLAST_BENCH_REWARD_S_PER_SAMPLE": str(args.latency_s / samples)}
+    common = [f"custom_reward_function.path={reward}", f"trainer.total_training_steps={args.warmup + args.steps}",
+              "trainer.test_freq=-1", "trainer.val_before_train=false", f"data.train_batch_size={args.train_batch_size}",
+              f"actor_rollout_ref.rollout.n={args.n}"]
+    aheads = [0] + args.ahead
+    runs: Dict[int, List[dict]] = {k: [] for k in aheads}
+    for r in range(args.repeats):
+        for k in aheads:
+            rows = [row for row in run(f"io_k{k}_r{r}", common + variant_overrides(k), log_dir, env)
+                    if "timing_s/step" in row][args.warmup:]
+            runs[k].append({p: statistics.mean(row.get(f"timing_s/{p}", 0.0) for row in rows) for p in PHASES}
+                           | {"trainer_idle_ratio": statistics.mean(row["perf/trainer_idle_ratio"] for row in rows),
+                              "staleness_max": max(row.get("training/off_policy/trajectory_staleness/max", 0.0)
+                                                   for row in rows)})
+    summary = {}
+    for k, reps in runs.items():
+        summary[f"k{k}"] = {"s_per_step": statistics.median(x["step"] for x in reps), "repeats": reps}
+    base = summary["k0"]["s_per_step"]
+    for k in args.ahead:
+        summary[f"k{k}"]["ratio_vs_sync"] = summary[f"k{k}"]["s_per_step"] / base
+    return {"work": {"config": "quickstart", "train_batch_size": args.train_batch_size, "n": args.n,
+                     "reward_latency_s_per_batch": args.latency_s, "steps_measured": args.steps,
+                     "warmup_steps": args.warmup}, "variants": summary}
+
+
+def learn_case(args, log_dir: str) -> dict:
+    results: Dict[str, dict] = {}
+    for seed in args.seeds:
+        for k in [0] + args.ahead:
+            seeds = [f"data.seed={seed}", f"trainer.seed={seed}", f"actor_rollout_ref.rollout.seed={seed}"]
+            rows = run(f"learn_k{k}_s{seed}", seeds + variant_overrides(k), log_dir, {})
+            val = [r for r in rows if "val/score/mean" in r]
+            train = [r for r in rows if "critic/score/mean" in r]
+            results[f"k{k}_seed{seed}"] = {
+                "val_first": val[0]["val/score/mean"], "val_last": val[-1]["val/score/mean"],
+                "val_curve": [(r["step"], r["val/score/mean"]) for r in val],
+                "train_score_last10": statistics.mean(r["critic/score/mean"] for r in train[-10:]),
+                "s_per_step": statistics.mean(r["timing_s/step"] for r in train[2:]),
+                "staleness_max": max(r.get("training/off_policy/trajectory_staleness/max", 0.0) for r in train)}
+    return {"work": {"config": "quickstart (whole run)", "seeds": args.seeds}, "runs": results}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--case", choices=("io", "learn"), default="io")
+    p.add_argument("--ahead", type=lambda s: [int(x) for x in s.split(",")], default=[1],
+                   help="batches generated ahead (comma list), each compared with sync")
+    p.add_argument("--latency-s", type=float, default=1.0, help="io: reward latency per batch")
+    p.add_argument("--train-batch-size", type=int, default=16)
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2])
+    p.add_argument("--log-dir", default=os.path.join(ROOT, "outputs", "off_policy_bench"))
+    p.add_argument("--json", help="write the results here (also printed)")
+    args = p.parse_args()
+    ensure_quickstart()
+    os.makedirs(args.log_dir, exist_ok=True)
+    log_dir = tempfile.mkdtemp(prefix=f"{args.case}-", dir=args.log_dir)
+    result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "machine": {"platform": platform.platform(), "cpu": cpu_info(), "load_avg_start": os.getloadavg()},
+              "case": args.case}
+    result.update(io_case(args, log_dir) if args.case == "io" else learn_case(args, log_dir))
+    result["machine"]["load_avg_end"] = os.getloadavg()
+    text = json.dumps(result, indent=1)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

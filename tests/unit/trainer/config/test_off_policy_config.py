@@ -1,0 +1,66 @@
+"""verl's V1 trainer-mode keys: the staleness bound, the correction default for stale samples, the rules."""
+
+from __future__ import annotations
+
+import pytest
+
+from ballast.trainer.config import ConfigError, check_rules, load_config
+from ballast.trainer.config.off_policy import staleness_bound
+
+BASE = ["data.train_files=/d", "actor_rollout_ref.model.path=/m"]
+
+
+def _load(*overrides):
+    return load_config(BASE + list(overrides))
+
+
+def test_sync_is_the_default_and_changes_nothing():
+    cfg = _load()
+    assert cfg.trainer.v1.trainer_mode == "sync" and staleness_bound(cfg) == 0
+    assert not cfg.algorithm.rollout_correction.bypass_mode and not cfg.actor_rollout_ref.rollout.calculate_log_probs
+
+
+def test_colocate_async_turns_on_the_correction_and_says_so(capsys):
+    cfg = _load("trainer.v1.trainer_mode=colocate_async", "trainer.v1.colocate_async.num_warmup_batches=2")
+    assert staleness_bound(cfg) == 2
+    assert cfg.algorithm.rollout_correction.bypass_mode and cfg.actor_rollout_ref.rollout.calculate_log_probs
+    assert "rollout correction is on by default" in capsys.readouterr().out
+    check_rules(cfg)
+
+
+def test_a_correction_the_user_names_is_kept():
+    cfg = _load("trainer.v1.trainer_mode=colocate_async", "algorithm.rollout_correction.rollout_is=token",
+                "actor_rollout_ref.rollout.calculate_log_probs=True")
+    rc = cfg.algorithm.rollout_correction
+    assert rc.rollout_is == "token" and not rc.bypass_mode  # decoupled token TIS, as asked
+    check_rules(cfg)
+
+
+def test_zero_batches_ahead_is_the_synchronous_trainer():
+    cfg = _load("trainer.v1.trainer_mode=colocate_async", "trainer.v1.colocate_async.num_warmup_batches=0")
+    assert staleness_bound(cfg) == 0 and not cfg.algorithm.rollout_correction.bypass_mode
+    check_rules(cfg)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["trainer.v1.colocate_async.num_warmup_batches=1.5"], "num_warmup_batches=1.5 must be a whole number"),
+    (["trainer.v1.colocate_async.num_warmup_batches=-1"], "num_warmup_batches=-1.0 must be a whole number"),
+    (["algorithm.filter_groups.enable=True", "actor_rollout_ref.rollout.n=2"], "filter_groups.enable=True with"),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=gspo"], "bypass_mode=true trains with"),
+])
+def test_colocate_async_rules_name_the_keys(overrides, message):
+    cfg = _load("trainer.v1.trainer_mode=colocate_async", *overrides)
+    with pytest.raises(ConfigError, match=message):
+        check_rules(cfg)
+        from ballast.trainer.step.rollout_correction import rollout_correction_settings
+        rollout_correction_settings(cfg)
+
+
+def test_separate_pools_are_refused_naming_the_mode():
+    with pytest.raises(ConfigError, match="separate_async .* is not supported yet"):
+        check_rules(_load("trainer.v1.trainer_mode=separate_async"))
+
+
+def test_an_unknown_mode_is_refused_by_the_loader():
+    with pytest.raises(ConfigError, match="trainer.v1.trainer_mode='fully_async' is not one of"):
+        _load("trainer.v1.trainer_mode=fully_async")

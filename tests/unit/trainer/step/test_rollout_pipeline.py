@@ -1,0 +1,136 @@
+"""The rollout pipeline: which weights generate each step's batch, what overlaps, errors, checkpoints."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from ballast.protocol import Batch
+from ballast.trainer.step.rollout_pipeline import (Rollout, RolloutPipeline, idle_metrics, load_rollouts_ahead,
+                                                   save_rollouts_ahead, staleness_metrics)
+
+
+class _Loop:
+    """A trainer loop in miniature: `updates` counts finished steps (the weight version); launch records
+    the version current when a step's generation is submitted, as `launch_rollout` does."""
+
+    def __init__(self, ahead, last_step=8, finish=None):
+        self.updates, self.launched = 0, []
+        self.pipeline = RolloutPipeline(self.launch, finish or self.finish, ahead, last_step)
+
+    def launch(self, step):
+        self.launched.append(step)
+        return step, self.updates
+
+    @staticmethod
+    def finish(pending):
+        step, version = pending
+        return Rollout(step, version, Batch({"x": torch.full((4, 1), float(step))}))
+
+    def run(self, steps):
+        taken = []
+        for step in steps:
+            rollout, _ = self.pipeline.take(step)
+            taken.append(rollout)
+            self.updates += 1
+            self.pipeline.launch_through(step + 1 + self.pipeline.ahead)  # as the trainer, after its update
+        return taken
+
+
+@pytest.mark.parametrize("ahead", [0, 1, 2, 3])
+def test_a_sample_is_at_most_ahead_updates_old_and_exactly_that_once_the_pipeline_is_full(ahead):
+    loop = _Loop(ahead)
+    taken = loop.run(range(1, 9))
+    assert [r.step for r in taken] == list(range(1, 9))
+    # step s is launched after update s - ahead - 1 (or before step 1)
+    assert [r.version for r in taken] == [max(0, s - ahead - 1) for s in range(1, 9)]
+    ages = [staleness_metrics(r, r.step)["training/off_policy/trajectory_staleness/max"] for r in taken]
+    assert ages == [min(s - 1, ahead) for s in range(1, 9)]
+    assert loop.launched == list(range(1, 9))  # each step launched once, none past the last
+
+
+def test_ahead_zero_launches_the_next_step_after_the_update():
+    loop = _Loop(0)
+    loop.pipeline.take(1)
+    assert loop.launched == [1]
+    loop.updates += 1
+    loop.pipeline.launch_through(2)
+    assert loop.launched == [1, 2]
+    assert loop.pipeline.take(2)[0].version == 1  # generated with the updated weights: synchronous
+
+
+def test_the_next_batch_is_finished_while_the_current_step_trains():
+    # finish(2) can only complete once step 1's "training" has started: without overlap this deadlocks.
+    training = threading.Event()
+
+    def finish(pending):
+        step, version = pending
+        if step == 2 and not training.wait(timeout=20):
+            raise TimeoutError("step 2 was not finished concurrently with step 1's training")
+        return Rollout(step, version, Batch({"x": torch.zeros(1, 1)}))
+
+    loop = _Loop(1, last_step=2, finish=finish)
+    loop.pipeline.take(1)  # launches steps 1 and 2
+    training.set()  # step 1 trains now; the helper thread finishes step 2 meanwhile
+    rollout, _ = loop.pipeline.take(2)
+    assert rollout.step == 2
+
+
+def test_an_error_surfaces_when_its_step_is_taken_and_earlier_steps_still_train():
+    def finish(pending):
+        step, version = pending
+        if step == 3:
+            raise RuntimeError("worker 1 died generating step 3")
+        return Rollout(step, version, Batch({"x": torch.zeros(1, 1)}))
+
+    loop = _Loop(1, finish=finish)
+    assert [r.step for r in loop.run([1, 2])] == [1, 2]  # step 3 was launched (and failed) during step 2
+    with pytest.raises(RuntimeError, match="step 3"):
+        loop.pipeline.take(3)
+
+
+def test_a_launch_error_waits_for_its_step():
+    def launch(step):
+        if step == 2:
+            raise LookupError("the training data is used up")
+        return step, 0
+
+    pipeline = RolloutPipeline(launch, _Loop.finish, 1, 5)
+    assert pipeline.take(1)[0].step == 1  # launching step 2 already failed, step 1 is unaffected
+    with pytest.raises(LookupError, match="used up"):
+        pipeline.take(2)
+
+
+def test_rollouts_generated_ahead_survive_a_checkpoint(tmp_path):
+    loop = _Loop(2)
+    loop.run([1, 2, 3])
+    ahead = loop.pipeline.ahead_rollouts()
+    assert [r.step for r in ahead] == [4, 5, 6]
+    save_rollouts_ahead(str(tmp_path), ahead)
+    resumed = _Loop(2)
+    resumed.updates = 3
+    resumed.pipeline.restore(load_rollouts_ahead(str(tmp_path)))
+    taken = resumed.run([4, 5, 6, 7])
+    assert [r.version for r in taken] == [1, 2, 3, 4]  # 4, 5 and 6 as generated before the checkpoint
+    assert torch.equal(taken[0].batch["x"], ahead[0].batch["x"])
+    assert resumed.launched == [7, 8]  # the restored steps are not generated again
+
+
+def test_no_rollouts_ahead_writes_nothing(tmp_path):
+    save_rollouts_ahead(str(tmp_path), [])
+    assert list(tmp_path.iterdir()) == [] and load_rollouts_ahead(str(tmp_path)) == []
+
+
+def test_steps_are_taken_in_order():
+    loop = _Loop(1)
+    loop.pipeline.take(1)
+    with pytest.raises(RuntimeError, match="step 3 taken, but step 2 is next"):
+        loop.pipeline.take(3)
+
+
+def test_idle_ratios():
+    m = idle_metrics({"step": 2.0, "wait_rollout": 0.5, "gen_workers": 0.5})
+    assert m == {"perf/trainer_idle_ratio": 0.25, "perf/rollout_idle_ratio": 0.75}
+    assert idle_metrics({"step": 0.0}) == {}
