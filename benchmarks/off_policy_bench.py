@@ -16,6 +16,10 @@ Two measurements, each a set of whole `python -m ballast.trainer.main --config-n
     python benchmarks/off_policy_bench.py --case io --json outputs/off_policy_io.json
     python benchmarks/off_policy_bench.py --case learn --json outputs/off_policy_learn.json
 
+* `--case model --metrics RUN/metrics.jsonl`: the speed-up model of docs/off_policy.md applied to
+  a synchronous run's own phase times (any run: GPU or CPU, any size): the predicted step time and
+  ratio with batches generated ahead on the same workers.
+
 The compute-bound real-model comparison is step_bench's `--variant` (docs/off_policy.md).
 """
 
@@ -92,6 +96,8 @@ def io_case(args, log_dir: str) -> dict:
     base = summary["k0"]["s_per_step"]
     for k in args.ahead:
         summary[f"k{k}"]["ratio_vs_sync"] = summary[f"k{k}"]["s_per_step"] / base
+    # the model of docs/off_policy.md on the synchronous runs' own phase times, beside the measurement
+    summary["k0"]["model"] = predict([{f"timing_s/{p}": rep[p] for p in PHASES} for rep in runs[0]])
     return {"work": {"config": "quickstart", "train_batch_size": args.train_batch_size, "n": args.n,
                      "reward_latency_s_per_batch": args.latency_s, "steps_measured": args.steps,
                      "warmup_steps": args.warmup}, "variants": summary}
@@ -114,9 +120,36 @@ def learn_case(args, log_dir: str) -> dict:
     return {"work": {"config": "quickstart (whole run)", "seeds": args.seeds}, "runs": results}
 
 
+def predict(rows: List[dict]) -> dict:
+    """The colocated overlap model on a synchronous run's step rows: G (the workers' generate call),
+    U (the workers' training phases), R (scoring), O (the rest of the step: driver work on the critical
+    path, minus what already overlapped). Synchronous: G + U + R + O; k >= 1 on the same workers:
+    max(G + U, R) + max(O, 0), since scoring and the driver overlap the workers but G and U do not
+    overlap each other."""
+    def mean(key):
+        return statistics.mean(r.get(key, 0.0) for r in rows)
+
+    g = mean("timing_s/gen_workers") or mean("timing_s/gen")
+    u = sum(mean(f"timing_s/{p}") for p in ("old_log_prob", "ref", "values", "update_critic", "update_actor"))
+    r, step = mean("timing_s/reward"), mean("timing_s/step")
+    o = step - (g + u + r)
+    overlapped = max(g + u, r) + max(o, 0.0)
+    return {"G_generate_s": g, "U_train_s": u, "R_score_s": r, "O_rest_s": o, "sync_step_s": step,
+            "predicted_overlap_step_s": overlapped, "predicted_ratio": overlapped / step}
+
+
+def model_case(args) -> dict:
+    with open(args.metrics) as f:
+        rows = [r for r in map(json.loads, f) if "timing_s/step" in r][args.warmup:]
+    if not rows:
+        raise SystemExit(f"{args.metrics}: no step rows after --warmup {args.warmup}")
+    return {"metrics": args.metrics, "steps": len(rows), "model": predict(rows)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--case", choices=("io", "learn"), default="io")
+    p.add_argument("--case", choices=("io", "learn", "model"), default="io")
+    p.add_argument("--metrics", help="model: a synchronous run's metrics.jsonl")
     p.add_argument("--ahead", type=lambda s: [int(x) for x in s.split(",")], default=[1],
                    help="batches generated ahead (comma list), each compared with sync")
     p.add_argument("--latency-s", type=float, default=1.0, help="io: reward latency per batch")
@@ -129,6 +162,9 @@ def main() -> None:
     p.add_argument("--log-dir", default=os.path.join(ROOT, "outputs", "off_policy_bench"))
     p.add_argument("--json", help="write the results here (also printed)")
     args = p.parse_args()
+    if args.case == "model":
+        print(json.dumps(model_case(args), indent=1))
+        return
     ensure_quickstart()
     os.makedirs(args.log_dir, exist_ok=True)
     log_dir = tempfile.mkdtemp(prefix=f"{args.case}-", dir=args.log_dir)

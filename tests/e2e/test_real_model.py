@@ -68,14 +68,13 @@ def test_grpo_on_the_real_model_keeps_rollout_and_actor_equal_and_honours_the_ch
     prepared = prepare_typed(load_config(_overrides(real_task, out, f"custom_reward_function.path={reward}")))
     batches = []
     with training_session(prepared) as trainer:
-        generate = trainer.generate
+        score = trainer._score
 
-        def keep(prompts, step):
-            batch = generate(prompts, step)
+        def keep(batch, step):  # every generated batch passes here before it is scored
             batches.append(batch)
-            return batch
+            return score(batch, step)
 
-        trainer.generate = keep
+        trainer._score = keep
         before = trainer.workers.actor_rollout.actor_state_fingerprint()[0]
         trainer.fit()
         after = trainer.workers.actor_rollout.actor_state_fingerprint()[0]
