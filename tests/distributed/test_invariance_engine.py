@@ -9,7 +9,10 @@ on several cuts of every layout, with and without remove-padding and checkpointi
 
 One process group is launched per (dp, sp) layout; inside it every configuration runs against
 references computed once, here, with an unmodified transformers model (sdpa attention), each sample
-alone and unpadded, and the loss written from its definition over the whole mini-batch.
+alone and unpadded, and the loss written from its definition over the whole mini-batch. Each cut of
+a configuration runs under two of the four loss aggregation modes, rotated over the cuts and the
+layouts (`_modes`): every cut of every configuration meets every mode on the layouts it runs on, and
+every layout meets every mode; the whole product would double the cost and test no new code path.
 
 Tolerance (fp32): |loss - ref| <= 1e-5 * max(1, |ref|) and
 max_i |grad_i - ref_i| <= 1e-5 * ||ref grad||_2 over all parameters.
@@ -167,7 +170,20 @@ def _runs(world, sp):
     return runs
 
 
-def _invariance_worker(rank, world, root, model_dir, sp, with_lora=True):
+LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (dp, sp), in the order the test runs them
+
+
+def _modes(dp, sp, spec_index, rotate):
+    """The loss aggregation modes one cut runs under: all four unless `rotate`; else two, (k, k + 2)
+    with k = the layout's index in LAYOUTS + the cut's index in its configuration. Adjacent layouts
+    (and every configuration runs on two or more adjacent ones) then give each cut the other two."""
+    if not rotate:
+        return LOSS_AGG_MODES
+    k = LAYOUTS.index((dp, sp)) + spec_index
+    return LOSS_AGG_MODES[k % 4], LOSS_AGG_MODES[(k + 2) % 4]
+
+
+def _invariance_worker(rank, world, root, model_dir, sp, with_lora=True, rotate=False):
     from tensordict import TensorDict
 
     from ballast.engine.dist import build_parallel_state
@@ -194,14 +210,14 @@ def _invariance_worker(rank, world, root, model_dir, sp, with_lora=True):
             lora=LoraSpec(adapter_path=os.path.join(root, "adapter")) if lora else LoraSpec(),
         )
         engine = TrainEngine(cfg, parallel=parallel if fsdp_size == -1 else build_parallel_state(sp, "cpu", fsdp_size))
-        for spec_name in spec_names:
+        for spec_index, spec_name in enumerate(spec_names):
             spec = specs[spec_name]
             if spec_name == "central-tight":
                 batch, plan = central_local, central.mini_batches[0]
             else:
                 batch = local
                 plan = engine.plan_micro_batches(batch, spec)
-            for mode in LOSS_AGG_MODES:
+            for mode in _modes(parallel.dp_size, sp, spec_index, rotate):
                 metrics = engine.forward_backward_batch(
                     batch, partial(rl_loss, mode=mode), plan, temperature=TEMPERATURE, calculate_entropy=True,
                 )
@@ -223,15 +239,16 @@ def _invariance_worker(rank, world, root, model_dir, sp, with_lora=True):
             json.dump(results, f)
 
 
-@pytest.mark.parametrize("dp, sp", [(1, 1), (2, 1), (1, 2), (2, 2)], ids=lambda v: str(v))
+@pytest.mark.parametrize("dp, sp", LAYOUTS, ids=lambda v: str(v))
 def test_loss_and_gradient_equal_the_single_process_reference(problem, dp, sp):
     root, model_dir = problem
-    spawn_ranks(_invariance_worker, dp * sp, args=(root, model_dir, sp), timeout_s=240)
+    spawn_ranks(_invariance_worker, dp * sp, args=(root, model_dir, sp, True, True), timeout_s=240)
     with open(os.path.join(root, f"results_{dp * sp}_{sp}.json")) as f:
         results = json.load(f)
-    expected_runs = sum(len(run[4]) for run in _runs(dp * sp, sp)) * len(LOSS_AGG_MODES)
+    expected_runs = sum(len(run[4]) for run in _runs(dp * sp, sp)) * 2  # two modes per cut (_modes)
     assert len(results) == expected_runs
-    assert sum(r["lora"] for r in results) == (3 + (2 if sp == 1 else 1) + (2 if dp * sp > 1 else 0)) * 4
+    assert sum(r["lora"] for r in results) == (3 + (2 if sp == 1 else 1) + (2 if dp * sp > 1 else 0)) * 2
+    assert {r["mode"] for r in results} == set(LOSS_AGG_MODES)
     failures = []
     for r in results:
         where = (f"dp={dp} sp={sp} lora={r['lora']} rmpad={r['rmpad']} ckpt={r['checkpointing']} reshard={r['reshard']} "
