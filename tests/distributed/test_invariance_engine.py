@@ -173,17 +173,20 @@ def _runs(world, sp):
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (dp, sp), in the order the test runs them
 
 
-def _modes(dp, sp, spec_index, rotate):
-    """The loss aggregation modes one cut runs under: all four unless `rotate`; else two, (k, k + 2)
-    with k = the layout's index in LAYOUTS + the cut's index in its configuration. Adjacent layouts
-    (and every configuration runs on two or more adjacent ones) then give each cut the other two."""
-    if not rotate:
+def _modes(layouts, dp, sp, run, spec_index):
+    """The loss aggregation modes one cut of configuration `run` runs under on layout (dp, sp), when a
+    test runs `layouts` (in that order): two, (k, k + 2) with k = the layout's index + the cut's index,
+    if `run` also runs on an adjacent layout of the list (which then gives this cut the other two);
+    else all four."""
+    i = layouts.index((dp, sp))
+    neighbours = [layouts[j] for j in (i - 1, i + 1) if 0 <= j < len(layouts)]
+    if not any(run in _runs(d * s, s) for d, s in neighbours):
         return LOSS_AGG_MODES
-    k = LAYOUTS.index((dp, sp)) + spec_index
+    k = i + spec_index
     return LOSS_AGG_MODES[k % 4], LOSS_AGG_MODES[(k + 2) % 4]
 
 
-def _invariance_worker(rank, world, root, model_dir, sp, with_lora=True, rotate=False):
+def _invariance_worker(rank, world, root, model_dir, sp, layouts, with_lora=True):
     from tensordict import TensorDict
 
     from ballast.engine.dist import build_parallel_state
@@ -201,7 +204,8 @@ def _invariance_worker(rank, world, root, model_dir, sp, with_lora=True, rotate=
     central = plan_phase(lengths, parallel.dp_size, specs["central-tight"].policy(sp))
     central_local = data[torch.as_tensor(central.rank_rows(parallel.dp_rank))]
     results = []
-    for rmpad, checkpointing, reshard, fsdp_size, spec_names, lora in _runs(world, sp):
+    for run in _runs(world, sp):
+        rmpad, checkpointing, reshard, fsdp_size, spec_names, lora = run
         if lora and not with_lora:
             continue
         cfg = EngineConfig(
@@ -217,7 +221,7 @@ def _invariance_worker(rank, world, root, model_dir, sp, with_lora=True, rotate=
             else:
                 batch = local
                 plan = engine.plan_micro_batches(batch, spec)
-            for mode in _modes(parallel.dp_size, sp, spec_index, rotate):
+            for mode in _modes(layouts, parallel.dp_size, sp, run, spec_index):
                 metrics = engine.forward_backward_batch(
                     batch, partial(rl_loss, mode=mode), plan, temperature=TEMPERATURE, calculate_entropy=True,
                 )
@@ -242,10 +246,10 @@ def _invariance_worker(rank, world, root, model_dir, sp, with_lora=True, rotate=
 @pytest.mark.parametrize("dp, sp", LAYOUTS, ids=lambda v: str(v))
 def test_loss_and_gradient_equal_the_single_process_reference(problem, dp, sp):
     root, model_dir = problem
-    spawn_ranks(_invariance_worker, dp * sp, args=(root, model_dir, sp, True, True), timeout_s=240)
+    spawn_ranks(_invariance_worker, dp * sp, args=(root, model_dir, sp, LAYOUTS), timeout_s=240)
     with open(os.path.join(root, f"results_{dp * sp}_{sp}.json")) as f:
         results = json.load(f)
-    expected_runs = sum(len(run[4]) for run in _runs(dp * sp, sp)) * 2  # two modes per cut (_modes)
+    expected_runs = sum(len(run[4]) for run in _runs(dp * sp, sp)) * 2  # every configuration has a neighbour (_modes)
     assert len(results) == expected_runs
     assert sum(r["lora"] for r in results) == (3 + (2 if sp == 1 else 1) + (2 if dp * sp > 1 else 0)) * 2
     assert {r["mode"] for r in results} == set(LOSS_AGG_MODES)
@@ -387,13 +391,17 @@ def _load_data(path):
     return TensorDict(torch.load(path, weights_only=True), batch_size=[NUM_SAMPLES])
 
 
-def _correction_cases(rmpads):
-    """Every correction mode x loss aggregation mode, each pair under one cut and remove-padding
-    setting, rotated so that every mode meets every cut and both settings, and so does every
-    aggregation mode: the whole cross product would cost minutes and test no new code path."""
+def _correction_cases(rmpads, dp, sp):
+    """Correction mode x loss aggregation mode pairs, each under one cut and remove-padding setting,
+    rotated so that every mode meets every cut and both settings, and so does every aggregation
+    mode: the whole cross product would cost minutes and test no new code path. Each pair runs on
+    two of the four layouts, (1, 1) and (2, 2) or (2, 1) and (1, 2): under both dp sizes and both sp
+    sizes; every layout still runs every correction mode, aggregation mode, cut and setting."""
+    diagonal = (dp, sp) in ((1, 1), (2, 2))
     for i, mode_entry in enumerate(CORRECTION_MODES):
         for j, mode in enumerate(LOSS_AGG_MODES):
-            yield mode_entry, mode, CORRECTION_SPECS[(i + j) % len(CORRECTION_SPECS)], rmpads[j % len(rmpads)]
+            if ((i + j // 2) % 2 == 0) == diagonal:
+                yield mode_entry, mode, CORRECTION_SPECS[(i + j) % len(CORRECTION_SPECS)], rmpads[j % len(rmpads)]
 
 
 def _correction_worker(rank, world, root, model_dir, sp):
@@ -412,7 +420,7 @@ def _correction_worker(rank, world, root, model_dir, sp):
                                                ulysses_sequence_parallel_size=sp), parallel=parallel)
                for rmpad in rmpads}
     results = []
-    for (name, _), mode, spec_name, rmpad in _correction_cases(rmpads):
+    for (name, _), mode, spec_name, rmpad in _correction_cases(rmpads, parallel.dp_size, sp):
         engine = engines[rmpad]
         whole, loss_fn = _corrected(data, base_lp, name, mode)
         ref_loss, ref_grads = refs[f"{name}|{mode}"]
@@ -439,8 +447,10 @@ def test_rollout_correction_modes_equal_the_single_process_reference(correction_
     spawn_ranks(_correction_worker, dp * sp, args=(root, model_dir, sp), timeout_s=600)
     with open(os.path.join(root, f"correction_{dp * sp}_{sp}.json")) as f:
         results = json.load(f)
-    assert len(results) == len(CORRECTION_MODES) * len(LOSS_AGG_MODES)
+    assert len(results) == len(list(_correction_cases([True, False] if sp == 1 else [True], dp, sp)))
     assert {r["spec"] for r in results} == set(CORRECTION_SPECS) and len({r["rmpad"] for r in results}) == (2 if sp == 1 else 1)
+    assert {r["name"] for r in results} == {name for name, _ in CORRECTION_MODES}
+    assert {r["mode"] for r in results} == set(LOSS_AGG_MODES)
     failures = []
     for r in results:
         where = f"dp={dp} sp={sp} rmpad={r['rmpad']} {r['spec']} {r['name']} {r['mode']}"
