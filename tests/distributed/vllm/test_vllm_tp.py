@@ -5,7 +5,7 @@ its engine steps; single-turn equals batched TP generation token for token, mult
 up with the final sequences, and a leader-side failure raises on both ranks.
 
 Both tests assert on one launch of tp2_rollout_worker.py (module fixture `tp2_results`): a TP=2 vLLM
-start-up is ~30 s on 2 cores, and what each test checks is a separate step of that one run.
+start-up is ~25 s on 2 cores, and what each test checks is a separate step of that one run.
 """
 
 import os
@@ -21,7 +21,7 @@ import torch
 from ballast.workers.rollout.vllm_shm import clean_stale_vllm_shm, vllm_shm_files
 
 pytest.importorskip("vllm")
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # ~40 s: two ranks' vLLM start-ups on 2 cores
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # ~25 s on 2 cores: one launch, two ranks
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tp2_rollout_worker.py")
 TIMEOUT_S = 300

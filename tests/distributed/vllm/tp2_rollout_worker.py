@@ -1,5 +1,5 @@
 """One rank of the real TP=2 vLLM rollout tests (run as a script by test_vllm_tp.py, never by pytest).
-One engine start serves both tests of that file (a TP=2 vLLM start-up costs ~30 s on 2 cores).
+One engine start serves both tests of that file (a TP=2 vLLM start-up costs ~25 s on 2 cores).
 
 Each rank: gloo world first, then the TP engine (external_launcher), then
   1. tp_generate on this rank's own prompts (counts and widths differ between ranks);
