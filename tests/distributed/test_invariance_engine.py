@@ -9,7 +9,10 @@ on several cuts of every layout, with and without remove-padding and checkpointi
 
 One process group is launched per (dp, sp) layout; inside it every configuration runs against
 references computed once, here, with an unmodified transformers model (sdpa attention), each sample
-alone and unpadded, and the loss written from its definition over the whole mini-batch.
+alone and unpadded, and the loss written from its definition over the whole mini-batch. Each cut of
+a configuration runs under two of the four loss aggregation modes, rotated over the cuts and the
+layouts (`_modes`): every cut of every configuration meets every mode on the layouts it runs on, and
+every layout meets every mode; the whole product would double the cost and test no new code path.
 
 Tolerance (fp32): |loss - ref| <= 1e-5 * max(1, |ref|) and
 max_i |grad_i - ref_i| <= 1e-5 * ||ref grad||_2 over all parameters.
@@ -167,7 +170,23 @@ def _runs(world, sp):
     return runs
 
 
-def _invariance_worker(rank, world, root, model_dir, sp, with_lora=True):
+LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (dp, sp), in the order the test runs them
+
+
+def _modes(layouts, dp, sp, run, spec_index):
+    """The loss aggregation modes one cut of configuration `run` runs under on layout (dp, sp), when a
+    test runs `layouts` (in that order): two, (k, k + 2) with k = the layout's index + the cut's index,
+    if `run` also runs on an adjacent layout of the list (which then gives this cut the other two);
+    else all four."""
+    i = layouts.index((dp, sp))
+    neighbours = [layouts[j] for j in (i - 1, i + 1) if 0 <= j < len(layouts)]
+    if not any(run in _runs(d * s, s) for d, s in neighbours):
+        return LOSS_AGG_MODES
+    k = i + spec_index
+    return LOSS_AGG_MODES[k % 4], LOSS_AGG_MODES[(k + 2) % 4]
+
+
+def _invariance_worker(rank, world, root, model_dir, sp, layouts, with_lora=True):
     from tensordict import TensorDict
 
     from ballast.engine.dist import build_parallel_state
@@ -185,7 +204,8 @@ def _invariance_worker(rank, world, root, model_dir, sp, with_lora=True):
     central = plan_phase(lengths, parallel.dp_size, specs["central-tight"].policy(sp))
     central_local = data[torch.as_tensor(central.rank_rows(parallel.dp_rank))]
     results = []
-    for rmpad, checkpointing, reshard, fsdp_size, spec_names, lora in _runs(world, sp):
+    for run in _runs(world, sp):
+        rmpad, checkpointing, reshard, fsdp_size, spec_names, lora = run
         if lora and not with_lora:
             continue
         cfg = EngineConfig(
@@ -194,14 +214,14 @@ def _invariance_worker(rank, world, root, model_dir, sp, with_lora=True):
             lora=LoraSpec(adapter_path=os.path.join(root, "adapter")) if lora else LoraSpec(),
         )
         engine = TrainEngine(cfg, parallel=parallel if fsdp_size == -1 else build_parallel_state(sp, "cpu", fsdp_size))
-        for spec_name in spec_names:
+        for spec_index, spec_name in enumerate(spec_names):
             spec = specs[spec_name]
             if spec_name == "central-tight":
                 batch, plan = central_local, central.mini_batches[0]
             else:
                 batch = local
                 plan = engine.plan_micro_batches(batch, spec)
-            for mode in LOSS_AGG_MODES:
+            for mode in _modes(layouts, parallel.dp_size, sp, run, spec_index):
                 metrics = engine.forward_backward_batch(
                     batch, partial(rl_loss, mode=mode), plan, temperature=TEMPERATURE, calculate_entropy=True,
                 )
@@ -223,15 +243,16 @@ def _invariance_worker(rank, world, root, model_dir, sp, with_lora=True):
             json.dump(results, f)
 
 
-@pytest.mark.parametrize("dp, sp", [(1, 1), (2, 1), (1, 2), (2, 2)], ids=lambda v: str(v))
+@pytest.mark.parametrize("dp, sp", LAYOUTS, ids=lambda v: str(v))
 def test_loss_and_gradient_equal_the_single_process_reference(problem, dp, sp):
     root, model_dir = problem
-    spawn_ranks(_invariance_worker, dp * sp, args=(root, model_dir, sp), timeout_s=240)
+    spawn_ranks(_invariance_worker, dp * sp, args=(root, model_dir, sp, LAYOUTS), timeout_s=240)
     with open(os.path.join(root, f"results_{dp * sp}_{sp}.json")) as f:
         results = json.load(f)
-    expected_runs = sum(len(run[4]) for run in _runs(dp * sp, sp)) * len(LOSS_AGG_MODES)
+    expected_runs = sum(len(run[4]) for run in _runs(dp * sp, sp)) * 2  # every configuration has a neighbour (_modes)
     assert len(results) == expected_runs
-    assert sum(r["lora"] for r in results) == (3 + (2 if sp == 1 else 1) + (2 if dp * sp > 1 else 0)) * 4
+    assert sum(r["lora"] for r in results) == (3 + (2 if sp == 1 else 1) + (2 if dp * sp > 1 else 0)) * 2
+    assert {r["mode"] for r in results} == set(LOSS_AGG_MODES)
     failures = []
     for r in results:
         where = (f"dp={dp} sp={sp} lora={r['lora']} rmpad={r['rmpad']} ckpt={r['checkpointing']} reshard={r['reshard']} "
@@ -370,13 +391,17 @@ def _load_data(path):
     return TensorDict(torch.load(path, weights_only=True), batch_size=[NUM_SAMPLES])
 
 
-def _correction_cases(rmpads):
-    """Every correction mode x loss aggregation mode, each pair under one cut and remove-padding
-    setting, rotated so that every mode meets every cut and both settings, and so does every
-    aggregation mode: the whole cross product would cost minutes and test no new code path."""
+def _correction_cases(rmpads, dp, sp):
+    """Correction mode x loss aggregation mode pairs, each under one cut and remove-padding setting,
+    rotated so that every mode meets every cut and both settings, and so does every aggregation
+    mode: the whole cross product would cost minutes and test no new code path. Each pair runs on
+    two of the four layouts, (1, 1) and (2, 2) or (2, 1) and (1, 2): under both dp sizes and both sp
+    sizes; every layout still runs every correction mode, aggregation mode, cut and setting."""
+    diagonal = (dp, sp) in ((1, 1), (2, 2))
     for i, mode_entry in enumerate(CORRECTION_MODES):
         for j, mode in enumerate(LOSS_AGG_MODES):
-            yield mode_entry, mode, CORRECTION_SPECS[(i + j) % len(CORRECTION_SPECS)], rmpads[j % len(rmpads)]
+            if ((i + j // 2) % 2 == 0) == diagonal:
+                yield mode_entry, mode, CORRECTION_SPECS[(i + j) % len(CORRECTION_SPECS)], rmpads[j % len(rmpads)]
 
 
 def _correction_worker(rank, world, root, model_dir, sp):
@@ -395,7 +420,7 @@ def _correction_worker(rank, world, root, model_dir, sp):
                                                ulysses_sequence_parallel_size=sp), parallel=parallel)
                for rmpad in rmpads}
     results = []
-    for (name, _), mode, spec_name, rmpad in _correction_cases(rmpads):
+    for (name, _), mode, spec_name, rmpad in _correction_cases(rmpads, parallel.dp_size, sp):
         engine = engines[rmpad]
         whole, loss_fn = _corrected(data, base_lp, name, mode)
         ref_loss, ref_grads = refs[f"{name}|{mode}"]
@@ -422,8 +447,10 @@ def test_rollout_correction_modes_equal_the_single_process_reference(correction_
     spawn_ranks(_correction_worker, dp * sp, args=(root, model_dir, sp), timeout_s=600)
     with open(os.path.join(root, f"correction_{dp * sp}_{sp}.json")) as f:
         results = json.load(f)
-    assert len(results) == len(CORRECTION_MODES) * len(LOSS_AGG_MODES)
+    assert len(results) == len(list(_correction_cases([True, False] if sp == 1 else [True], dp, sp)))
     assert {r["spec"] for r in results} == set(CORRECTION_SPECS) and len({r["rmpad"] for r in results}) == (2 if sp == 1 else 1)
+    assert {r["name"] for r in results} == {name for name, _ in CORRECTION_MODES}
+    assert {r["mode"] for r in results} == set(LOSS_AGG_MODES)
     failures = []
     for r in results:
         where = f"dp={dp} sp={sp} rmpad={r['rmpad']} {r['spec']} {r['name']} {r['mode']}"

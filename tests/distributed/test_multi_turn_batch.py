@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from ballast.balance import MicroBatchMode, MicroBatchPolicy, plan_phase
+from ballast.engine.losses import LOSS_AGG_MODES
 from test_invariance_engine import NUM_SAMPLES, REL_TOL, _invariance_worker, _lengths, _reference
 from testkit.engine import make_rl_batch, spawn_ranks
 from testkit.models import build_tiny_causal_lm
@@ -45,13 +46,19 @@ def problem(tmp_path_factory):
     return str(root), model_dir
 
 
-@pytest.mark.parametrize("dp, sp", [(2, 1), (1, 2)], ids=lambda v: str(v))
+LAYOUTS = [(2, 1), (1, 2)]
+
+
+@pytest.mark.parametrize("dp, sp", LAYOUTS, ids=lambda v: str(v))
 def test_multi_turn_loss_and_gradient_equal_the_reference(problem, dp, sp):
     root, model_dir = problem
-    spawn_ranks(_invariance_worker, dp * sp, args=(root, model_dir, sp, False), timeout_s=300)
+    # loss aggregation modes rotated like the invariance test's: a configuration on both layouts runs
+    # each cut under two modes here and the other two on the other layout; remove-padding off (sp=1
+    # only) runs all four
+    spawn_ranks(_invariance_worker, dp * sp, args=(root, model_dir, sp, LAYOUTS, False), timeout_s=300)
     with open(os.path.join(root, f"results_{dp * sp}_{sp}.json")) as f:
         results = json.load(f)
-    assert results
+    assert results and {r["mode"] for r in results} == set(LOSS_AGG_MODES)
     failures = [f"{r['spec']} rmpad={r['rmpad']} {r['mode']}: loss {r['loss']:.8g} vs {r['ref_loss']:.8g}, "
                 f"grad diff {r['max_grad_diff']:.3g}" for r in results
                 if abs(r["loss"] - r["ref_loss"]) > REL_TOL * max(1.0, abs(r["ref_loss"]))

@@ -12,7 +12,7 @@ import pytest
 from ballast.trainer.config import load_config
 from ballast.trainer.main import prepare_typed, training_session
 
-from testkit.e2e import overrides, run_dir
+from testkit.e2e import WITH_ROLLOUT_LOG_PROBS, overrides, run_dir
 
 AGENT_METRICS = ["agent/num_turns/mean", "agent/num_turns/max", "agent/tool_calls/total", "agent/tool_errors/total",
                  "agent/tool_timeouts/total", "agent/tool_latency_s/mean", "agent/stop_reason/answer",
@@ -32,14 +32,13 @@ def session(tiny_task, e2e_ray, tmp_path):
     return make
 
 
-def test_single_turn_async_trains_exactly_like_batched_rollouts(session):
+def test_single_turn_async_trains_exactly_like_batched_rollouts(session, rollout_log_probs_run):
     # HF rollouts: two vLLM start-ups would double the cost; vLLM's async == batched is checked per
-    # call in tests/distributed/vllm/test_vllm_async.py (and under TP=2 in test_vllm_tp_async.py).
-    common = ["actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.calculate_log_probs=True",
-              "trainer.total_training_steps=2"]
-    with session("sync", *common) as trainer:
-        sync = trainer.fit()
-    with session("async", *common, "actor_rollout_ref.rollout.mode=async") as trainer:
+    # call in tests/distributed/vllm/test_vllm_async.py (and under TP=2 in test_vllm_tp.py).
+    # The batched run is the e2e tests' shared one (same config, batched rollouts), read at step 2.
+    sync = next(row for row in rollout_log_probs_run["rows"] if row["step"] == 2)
+    with session("async", *WITH_ROLLOUT_LOG_PROBS, "trainer.total_training_steps=2",
+                 "actor_rollout_ref.rollout.mode=async") as trainer:
         agent = trainer.fit()
     for key in SAME:  # step 2: same samples after the same first update
         assert agent[key] == pytest.approx(sync[key], rel=1e-6, abs=1e-7), key

@@ -2,7 +2,9 @@
 actor with its adapter off, no second model), the vLLM rollout serves each adapter version (checked after
 every sync), checkpoints hold the adapter only; PPO with adapters on actor and critic and merged-weight
 sync, with rollout correction's bypass mode (the rollout's log-probs as the old policy) next to the
-adapter-off reference; and a run whose adapter never reaches the rollout stops, naming the cause."""
+adapter-off reference; and a run whose adapter never reaches the rollout stops, naming the cause (HF
+rollout: the check is the same code for every backend, and the vLLM run above shows it can tell vLLM
+serving the adapter from vLLM serving the base model)."""
 
 import math
 import os
@@ -90,12 +92,13 @@ def test_ppo_with_adapters_merged_sync_bypass_correction_and_a_kl_loss(prepared,
     assert 0 < _dir_bytes(critic_ckpt) < model_bytes / 2
 
 
-@pytest.mark.vllm
-def test_a_run_whose_adapter_never_reaches_vllm_stops_naming_the_cause(tiny_task, tmp_path):
+def test_a_run_whose_adapter_never_reaches_the_rollout_stops_naming_the_cause(tiny_task, tmp_path):
+    # The HF rollout (start_trainer's default) holds its own copy of the model, so a dropped adapter
+    # leaves it serving the base weights, as a dropped vLLM load would; a vLLM start-up here would only
+    # add ~25 s: vLLM's side of the check (it tells the served adapter from the base) is asserted above.
     path = run_dir(tmp_path, "broken_sync")
     env = {"PYTHONPATH": os.pathsep.join([BROKEN_SYNC, os.environ.get("PYTHONPATH", "")])}
-    proc = start_trainer(tiny_task, path, *LORA, "actor_rollout_ref.rollout.name=vllm",
-                         "trainer.total_training_steps=4", env=env)
+    proc = start_trainer(tiny_task, path, *LORA, "trainer.total_training_steps=4", env=env)
     with killed_on_exit(proc):
         _, stderr = proc.communicate(timeout=600)
     assert proc.returncode == EXIT_WORKER_FAILED, stderr[-3000:]

@@ -4,6 +4,7 @@ directory in use (exit 2 naming the holder's pid), a fresh start on top of an ol
 or SIGTERM repeated while the run shuts down (the shutdown finishes, exit 130 / 143), a driver killed
 with SIGKILL (its watchdog stops the rest), and no Ray process or session directory left afterwards."""
 
+import json
 import os
 import re
 import signal
@@ -55,45 +56,70 @@ def test_sigterm_saves_the_step_and_the_directory_admits_one_run_at_a_time(tiny_
     assert logged_steps(run_dir) == steps, "the refused run must not touch the old run's files"
 
 
-@pytest.mark.slow
-def test_sigterm_without_save_stops_at_once_with_exit_143(tiny_task, tmp_path):
-    run_dir = str(tmp_path / "run")
-    os.makedirs(run_dir)
-    with killed_on_exit(_cli(tiny_task, run_dir, "trainer.total_training_steps=50")) as proc:
-        wait_for(lambda: logged_steps(run_dir), proc, 240, "first step")
-        proc.send_signal(signal.SIGTERM)
-        signalled = time.monotonic()
-        out, err = proc.communicate(timeout=120)
-        exit_s = time.monotonic() - signalled
-    assert proc.returncode == 143 and last_line(err) == "ballast: terminated", err[-3000:]
-    assert exit_s < 30, f"took {exit_s:.0f}s to stop"
-    assert not Path(run_dir, "latest_checkpointed_iteration.txt").exists()  # save_freq=-1, save_on_signal=false
-    assert not os.path.exists(re.search(r"local Ray session in (\S+)", out).group(1))
-
-
 def _ray_dir(out):
     return re.search(r"local Ray session in (\S+)", out).group(1)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("signum, code, line", [(signal.SIGINT, 130, "ballast: interrupted"),
-                                                (signal.SIGTERM, 143, "ballast: terminated")], ids=["SIGINT", "SIGTERM"])
-def test_signals_repeated_during_the_shutdown_cannot_cut_it_short(tiny_task, tmp_path, signum, code, line):
-    run_dir = str(tmp_path / "run")
-    os.makedirs(run_dir)
-    with killed_on_exit(_cli(tiny_task, run_dir, "trainer.total_training_steps=50")) as proc:
-        wait_for(lambda: logged_steps(run_dir), proc, 240, "first step")
-        deadline = time.monotonic() + 90
-        while proc.poll() is None and time.monotonic() < deadline:  # a Ctrl-C hammered until the run is gone:
-            proc.send_signal(signum)  # the first stops the run, the rest land during its shutdown
-            time.sleep(0.1)
-        out, err = proc.communicate(timeout=60)
+def _alive(pid):
+    """Whether `pid` is a running process (a zombie waiting for its parent counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _hammer(proc, signum, seconds):
+    """Send `signum` every 0.1 s until `proc` ends (at most `seconds`); how many were sent."""
+    sent, deadline = 0, time.monotonic() + seconds
+    while proc.poll() is None and time.monotonic() < deadline:
+        proc.send_signal(signum)
+        sent += 1
+        time.sleep(0.1)
+    return sent
+
+
+def _assert_shutdown_finished(proc, out, err, code, line):
     ray_dir = _ray_dir(out)
     left = ray_watchdog.processes_using(ray_dir)  # right at exit: the shutdown must have finished everything
     assert proc.returncode == code and last_line(err) == line, err[-3000:]
     assert "ballast: already stopping" in err and "Traceback" not in err, err[-3000:]
     assert not left, f"processes of the run's Ray still running after the driver exited: {left}"
     assert not os.path.exists(ray_dir), f"{ray_dir} was left behind"
+
+
+@pytest.mark.slow
+def test_one_sigterm_without_save_stops_at_once_and_more_during_the_shutdown_cannot_cut_it_short(tiny_task, tmp_path):
+    # One run for two properties: a single SIGTERM (save_on_signal=false) stops the run mid-step with
+    # exit 143 and no checkpoint; once its workers are gone (the shutdown is under way, started by that
+    # one signal alone), SIGTERMs hammered until the driver exits are only noted.
+    run_dir = str(tmp_path / "run")
+    os.makedirs(run_dir)
+    with killed_on_exit(_cli(tiny_task, run_dir, "trainer.total_training_steps=50")) as proc:
+        wait_for(lambda: logged_steps(run_dir), proc, 240, "first step")
+        workers = [w["pid"] for w in json.loads(Path(run_dir, "workers.json").read_text())]
+        proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        wait_for(lambda: not all(_alive(pid) for pid in workers), proc, 30, "a worker stopped after one SIGTERM")
+        sent = _hammer(proc, signal.SIGTERM, 60)
+        out, err = proc.communicate(timeout=60)
+        exit_s = time.monotonic() - signalled
+    assert sent > 0, "the driver exited before a second SIGTERM could be sent"
+    _assert_shutdown_finished(proc, out, err, 143, "ballast: terminated")
+    assert exit_s < 30, f"took {exit_s:.0f}s to stop"
+    assert not Path(run_dir, "latest_checkpointed_iteration.txt").exists()  # save_freq=-1, save_on_signal=false
+
+
+@pytest.mark.slow
+def test_ctrl_c_hammered_from_the_first_press_cannot_cut_the_shutdown_short(tiny_task, tmp_path):
+    run_dir = str(tmp_path / "run")
+    os.makedirs(run_dir)
+    with killed_on_exit(_cli(tiny_task, run_dir, "trainer.total_training_steps=50")) as proc:
+        wait_for(lambda: logged_steps(run_dir), proc, 240, "first step")
+        # a Ctrl-C hammered until the run is gone: the first stops the run, the rest land during its shutdown
+        _hammer(proc, signal.SIGINT, 90)
+        out, err = proc.communicate(timeout=60)
+    _assert_shutdown_finished(proc, out, err, 130, "ballast: interrupted")
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ import pytest
 from ballast.trainer.config import load_config
 from ballast.trainer.main import prepare_typed, training_session
 
-from testkit.e2e import overrides, run_dir
+from testkit.e2e import WITH_ROLLOUT_LOG_PROBS, overrides, run_dir
 
 REQUIRED = [
     "global_seqlen/min", "global_seqlen/max", "global_seqlen/minmax_diff", "global_seqlen/balanced_min",
@@ -87,10 +87,9 @@ COMPARED = ["critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/ppo_
             "response_length/mean", "global_seqlen/balanced_max"]
 
 
-def test_resume_continues_exactly_like_an_uninterrupted_run(session, tmp_path):
-    with session("straight", "trainer.total_training_steps=3") as trainer:
-        straight = trainer.fit()
-    with session("resumed", "trainer.total_training_steps=2", "trainer.save_freq=2") as trainer:
+def test_resume_continues_exactly_like_an_uninterrupted_run(session, tmp_path, rollout_log_probs_run):
+    straight = rollout_log_probs_run["final"]  # the same config, three steps without a stop
+    with session("resumed", *WITH_ROLLOUT_LOG_PROBS, "trainer.total_training_steps=2", "trainer.save_freq=2") as trainer:
         trainer.fit()
     ckpt_root = os.path.join(tmp_path, "resumed")
     exported = os.path.join(ckpt_root, "global_step_2", "actor_hf")
@@ -99,7 +98,7 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(session, tmp_path):
     assert AutoModelForCausalLM.from_pretrained(exported) is not None  # the checkpoint's HF export loads
     # a save that crashed half-way must not be picked up
     os.makedirs(os.path.join(ckpt_root, ".tmp_global_step_3", "actor"))
-    with session("resumed", "trainer.total_training_steps=3", "trainer.resume_mode=auto") as trainer:
+    with session("resumed", *WITH_ROLLOUT_LOG_PROBS, "trainer.total_training_steps=3", "trainer.resume_mode=auto") as trainer:
         assert trainer.resumed_from is not None and trainer.global_step == 2
         resumed = trainer.fit()
     assert straight["balance/actor_plan/num_micro_batches"] >= 1  # the updates ran the driver's central plan
@@ -136,13 +135,11 @@ def test_on_policy_step_skips_the_old_log_prob_pass_and_keeps_its_metrics(sessio
     assert 0 < metrics["perf/mfu/actor"] < 1.5
 
 
-def test_two_mini_batch_step_takes_the_first_ones_old_log_probs_from_the_update(session):
+def test_two_mini_batch_step_takes_the_first_ones_old_log_probs_from_the_update(rollout_log_probs_run):
     # two mini-batches: the update runs a forward-only pass over the second one before its first step; the first one's
     # old log-probs come back from the update and every row's are checked against the rollout's own
-    extra = ["actor_rollout_ref.rollout.calculate_log_probs=True", "trainer.total_training_steps=3"]
-    with session("partial", *extra) as trainer:
-        assert trainer.old_log_probs.mode == "partial"
-        metrics = trainer.fit()
+    assert rollout_log_probs_run["mode"] == "partial"
+    metrics = rollout_log_probs_run["final"]
     _assert_finite(metrics, REQUIRED + ["training/rollout_actor_log_prob_diff/mean",
                                         "training/rollout_actor_log_prob_diff/max", "perf/mfu/actor_infer"])
     assert metrics["actor/entropy"] > 0

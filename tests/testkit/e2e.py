@@ -20,6 +20,11 @@ def write_tiny_task(data_dir):
     return {"model": str(tiny_model_dir()), "train": str(paths["train"]), "val": str(paths["val"])}
 
 
+# With overrides(): the default tiny GRPO (two mini-batches per step) with the rollout's log-probs, the
+# config of the e2e tests' shared run (tests/e2e/conftest.py, rollout_log_probs_run).
+WITH_ROLLOUT_LOG_PROBS = ("actor_rollout_ref.rollout.calculate_log_probs=True",)
+
+
 def overrides(task, run_dir, *extra):
     """A fast 2-worker GRPO configuration on the tiny task."""
     return [

