@@ -25,8 +25,9 @@ def tiny_task(tmp_path_factory):
 def rollout_log_probs_run(tiny_task, e2e_ray, tmp_path_factory):
     """Three steps of the default tiny GRPO with WITH_ROLLOUT_LOG_PROBS, run once for the session:
     {"mode": the old-log-prob mode, "final": the last step's metrics, "rows": every step's logged
-    metrics}. Its users: the two-mini-batch old-log-prob check, the resume test (the uninterrupted
-    run) and the async-rollout comparison (the batched run's step 2); a training session costs ~10 s."""
+    metrics, "fingerprint": the actor's final sum |w|}. Its users: the two-mini-batch old-log-prob
+    check, the resume test (the uninterrupted run), the async-rollout comparison (the batched run's
+    step 2) and the off-policy k=0 run (the synchronous trainer); a training session costs ~10 s."""
     from ballast.trainer.config import load_config
     from ballast.trainer.main import prepare_typed, training_session
 
@@ -35,6 +36,7 @@ def rollout_log_probs_run(tiny_task, e2e_ray, tmp_path_factory):
     with training_session(prepare_typed(cfg)) as trainer:
         mode = trainer.old_log_probs.mode
         final = trainer.fit()
+        fingerprint = trainer.workers.actor_rollout.actor_state_fingerprint()[0]
     with open(os.path.join(path, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    return {"mode": mode, "final": final, "rows": rows}
+    return {"mode": mode, "final": final, "rows": rows, "fingerprint": fingerprint}

@@ -10,7 +10,7 @@ import pytest
 from ballast.trainer.config import load_config
 from ballast.trainer.main import prepare_typed, training_session
 
-from testkit.e2e import overrides, run_dir
+from testkit.e2e import WITH_ROLLOUT_LOG_PROBS, overrides, run_dir
 
 ASYNC = "trainer.v1.trainer_mode=colocate_async"
 STALENESS = "training/off_policy/trajectory_staleness/max"
@@ -35,16 +35,16 @@ def _rows(tmp_path, name):
     return [json.loads(line) for line in open(os.path.join(tmp_path, name, "metrics.jsonl"))]
 
 
-def test_zero_batches_ahead_reproduces_the_synchronous_trainer(session, tmp_path):
-    with session("sync") as trainer:
-        trainer.fit()
-        sync_weights = trainer.workers.actor_rollout.actor_state_fingerprint()[0]
-    with session("k0", ASYNC, "trainer.v1.colocate_async.num_warmup_batches=0") as trainer:
-        assert trainer.rollouts.ahead == 0
+def test_zero_batches_ahead_reproduces_the_synchronous_trainer(session, rollout_log_probs_run, tmp_path):
+    # the session's synchronous 3-step run against the same run in colocate_async mode with k=0
+    extra = [*WITH_ROLLOUT_LOG_PROBS, "trainer.total_training_steps=3", ASYNC,
+             "trainer.v1.colocate_async.num_warmup_batches=0"]
+    with session("k0", *extra) as trainer:
+        assert trainer.rollouts.ahead == 0 and not trainer.correction.bypass
         trainer.fit()
         k0_weights = trainer.workers.actor_rollout.actor_state_fingerprint()[0]
-    assert k0_weights == sync_weights  # the same parameters, bit for bit
-    for sync, k0 in zip(_rows(tmp_path, "sync"), _rows(tmp_path, "k0"), strict=True):
+    assert k0_weights == rollout_log_probs_run["fingerprint"]  # the same parameters, bit for bit
+    for sync, k0 in zip(rollout_log_probs_run["rows"], _rows(tmp_path, "k0"), strict=True):
         same = _deterministic(sync)
         assert {k: k0[k] for k in same} == same
         assert STALENESS not in k0
