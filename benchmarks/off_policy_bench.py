@@ -79,7 +79,7 @@ def io_case(args, log_dir: str) -> dict:
     env = {"BALLAST_BENCH_REWARD_S_PER_SAMPLE": str(args.latency_s / samples)}
     common = [f"custom_reward_function.path={reward}", f"trainer.total_training_steps={args.warmup + args.steps}",
               "trainer.test_freq=-1", "trainer.val_before_train=false", f"data.train_batch_size={args.train_batch_size}",
-              f"actor_rollout_ref.rollout.n={args.n}"]
+              f"actor_rollout_ref.rollout.n={args.n}", *args.override]
     aheads = [0] + args.ahead
     runs: Dict[int, List[dict]] = {k: [] for k in aheads}
     for r in range(args.repeats):
@@ -87,6 +87,7 @@ def io_case(args, log_dir: str) -> dict:
             rows = [row for row in run(f"io_k{k}_r{r}", common + variant_overrides(k), log_dir, env)
                     if "timing_s/step" in row][args.warmup:]
             runs[k].append({p: statistics.mean(row.get(f"timing_s/{p}", 0.0) for row in rows) for p in PHASES}
+                           | {"response_length": statistics.mean(row["response_length/mean"] for row in rows)}
                            | {"trainer_idle_ratio": statistics.mean(row["perf/trainer_idle_ratio"] for row in rows),
                               "staleness_max": max(row.get("training/off_policy/trajectory_staleness/max", 0.0)
                                                    for row in rows)})
@@ -100,7 +101,7 @@ def io_case(args, log_dir: str) -> dict:
     summary["k0"]["model"] = predict([{f"timing_s/{p}": rep[p] for p in PHASES} for rep in runs[0]])
     return {"work": {"config": "quickstart", "train_batch_size": args.train_batch_size, "n": args.n,
                      "reward_latency_s_per_batch": args.latency_s, "steps_measured": args.steps,
-                     "warmup_steps": args.warmup}, "variants": summary}
+                     "warmup_steps": args.warmup, "overrides": args.override}, "variants": summary}
 
 
 def learn_case(args, log_dir: str) -> dict:
@@ -150,6 +151,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--case", choices=("io", "learn", "model"), default="io")
     p.add_argument("--metrics", help="model: a synchronous run's metrics.jsonl")
+    p.add_argument("--override", action="append", default=[],
+                   help="io: an extra hydra override for every run (e.g. actor_rollout_ref.rollout.ignore_eos=True, "
+                        "which makes every response max_response_length tokens: the same tokens in both modes)")
     p.add_argument("--ahead", type=lambda s: [int(x) for x in s.split(",")], default=[1],
                    help="batches generated ahead (comma list), each compared with sync")
     p.add_argument("--latency-s", type=float, default=1.0, help="io: reward latency per batch")
