@@ -40,3 +40,15 @@ def rollout_log_probs_run(tiny_task, e2e_ray, tmp_path_factory):
     with open(os.path.join(path, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     return {"mode": mode, "final": final, "rows": rows, "fingerprint": fingerprint}
+
+
+@pytest.fixture()
+def session(tiny_task, e2e_ray, tmp_path):
+    """`session(name, *overrides)`: a training session of the fast tiny GRPO run in `tmp_path/name`."""
+    from ballast.trainer.config import load_config
+    from ballast.trainer.main import prepare_typed, training_session
+
+    def make(name, *extra):
+        return training_session(prepare_typed(load_config(overrides(tiny_task, run_dir(tmp_path, name), *extra))))
+
+    return make

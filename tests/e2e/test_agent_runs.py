@@ -9,10 +9,8 @@ import math
 
 import pytest
 
-from ballast.trainer.config import load_config
-from ballast.trainer.main import prepare_typed, training_session
 
-from testkit.e2e import WITH_ROLLOUT_LOG_PROBS, overrides, run_dir
+from testkit.e2e import WITH_ROLLOUT_LOG_PROBS
 
 AGENT_METRICS = ["agent/num_turns/mean", "agent/num_turns/max", "agent/tool_calls/total", "agent/tool_errors/total",
                  "agent/tool_timeouts/total", "agent/tool_latency_s/mean", "agent/stop_reason/answer",
@@ -22,14 +20,6 @@ RC_METRICS = ["rollout_corr/kl", "rollout_corr/k3_kl", "rollout_corr/rollout_is_
               "rollout_corr/rollout_rs_masked_fraction", "training/rollout_actor_log_prob_diff/max"]
 SAME = ["critic/score/mean", "response_length/mean", "response_length/max", "actor/pg_loss", "actor/grad_norm",
         "critic/advantages/max"]
-
-
-@pytest.fixture()
-def session(tiny_task, e2e_ray, tmp_path):
-    def make(name, *extra):
-        return training_session(prepare_typed(load_config(overrides(tiny_task, run_dir(tmp_path, name), *extra))))
-
-    return make
 
 
 def test_single_turn_async_trains_exactly_like_batched_rollouts(session, rollout_log_probs_run):

@@ -7,10 +7,8 @@ import os
 
 import pytest
 
-from ballast.trainer.config import load_config
-from ballast.trainer.main import prepare_typed, training_session
 
-from testkit.e2e import WITH_ROLLOUT_LOG_PROBS, overrides, run_dir
+from testkit.e2e import WITH_ROLLOUT_LOG_PROBS
 
 ASYNC = "trainer.v1.trainer_mode=colocate_async"
 STALENESS = "training/off_policy/trajectory_staleness/max"
@@ -21,14 +19,6 @@ COMPARED = ["critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/ppo_
 def _deterministic(row):
     """A metrics row without what depends on the machine's speed."""
     return {k: v for k, v in row.items() if not k.startswith(("timing", "perf/", "timestamp"))}
-
-
-@pytest.fixture()
-def session(tiny_task, e2e_ray, tmp_path):
-    def make(name, *extra):
-        return training_session(prepare_typed(load_config(overrides(tiny_task, run_dir(tmp_path, name), *extra))))
-
-    return make
 
 
 def _rows(tmp_path, name):

@@ -7,10 +7,8 @@ import re
 
 import pytest
 
-from ballast.trainer.config import load_config
-from ballast.trainer.main import prepare_typed, training_session
 
-from testkit.e2e import WITH_ROLLOUT_LOG_PROBS, overrides, run_dir
+from testkit.e2e import WITH_ROLLOUT_LOG_PROBS
 
 REQUIRED = [
     "global_seqlen/min", "global_seqlen/max", "global_seqlen/minmax_diff", "global_seqlen/balanced_min",
@@ -21,14 +19,6 @@ REQUIRED = [
     "timing_s/gen", "timing_s/reward", "timing_s/balance", "timing_s/old_log_prob", "timing_s/adv",
     "timing_s/update_actor", "timing_s/step", "perf/throughput_tokens_per_s", "perf/num_micro_batches",
 ]
-
-
-@pytest.fixture()
-def session(tiny_task, e2e_ray, tmp_path):
-    def make(name, *extra):
-        return training_session(prepare_typed(load_config(overrides(tiny_task, run_dir(tmp_path, name), *extra))))
-
-    return make
 
 
 def _assert_finite(metrics, keys):
