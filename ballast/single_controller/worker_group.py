@@ -10,7 +10,6 @@ never returns to the driver in between.
 from __future__ import annotations
 
 import dataclasses
-
 import functools
 import inspect
 import os

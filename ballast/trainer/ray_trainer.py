@@ -41,7 +41,7 @@ import torch
 from tqdm import tqdm
 
 from ballast.balance import FlopsModel, PhasePlan, balance_metrics, workload_costs
-from ballast.protocol import Batch
+from ballast.protocol import Batch, Output
 from ballast.trainer.algorithms import get_adv_estimator, kl_penalty, make_kl_controller, masked_mean
 from ballast.trainer.algorithms.policy_loss import actor_constant_metrics
 from ballast.trainer.run.builders import actor_loss_config
@@ -68,7 +68,6 @@ from ballast.trainer.step.rollout_correction import RolloutCorrectionPhase, roll
 from ballast.trainer.step.rollout_pipeline import (PendingRollout, Rollout, RolloutPipeline, idle_metrics,
                                                    load_rollouts_ahead, save_rollouts_ahead, staleness_metrics)
 from ballast.trainer.config.off_policy import staleness_bound
-from ballast.protocol import Output
 
 
 # Rollout call indices (sampling seeds) of the extra generation batches of dynamic sampling.
@@ -238,7 +237,9 @@ class RayPPOTrainer:
     def finish_rollout(self, pending: PendingRollout) -> Rollout:
         """Wait for a launched generation and score it; with algorithm.filter_groups, keep only
         informative groups and generate more until train_batch_size of them are collected (DAPO's
-        dynamic sampling, synchronous mode only: the main thread is waiting meanwhile)."""
+        dynamic sampling, synchronous mode only). The extra generations run on this thread while the
+        main thread may still log, validate or save the previous step; they sample with the same
+        weights, since no update is submitted before this step is taken, and a save waits for them."""
         step = pending.step
         timing: Dict[str, float] = {}
         metrics: Dict[str, float] = {}

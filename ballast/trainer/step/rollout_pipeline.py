@@ -46,7 +46,8 @@ class Rollout:
 
     step: int
     version: int
-    """Actor updates the generating weights had seen (the global step when it was launched)."""
+    """Actor updates the generating weights had seen (the step whose update preceded its launch, 0
+    before the first)."""
     batch: Batch
     timing: Dict[str, float] = field(default_factory=dict)
     metrics: Dict[str, float] = field(default_factory=dict)

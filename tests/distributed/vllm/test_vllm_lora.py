@@ -7,11 +7,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from ballast.engine.config import LoraSpec
-from ballast.engine.lora import adapter_state, attach_adapter
 from ballast.workers.rollout import RolloutConfig, SamplingConfig, build_backend
 from ballast.workers.rollout.vllm_lora import VLLM_LORA_RANKS
 from ballast.workers.sync_check import SyncCheck, WeightSyncError
+from testkit.lora import trained_adapter
 from testkit.prompts import left_padded_prompts
 
 pytest.importorskip("vllm")
@@ -23,18 +22,6 @@ PROMPTS = [[5, 6, 7, 8], [9], [10, 11, 12]]
 
 def greedy():
     return SamplingConfig(max_response_length=10, do_sample=False, eos_token_ids=())
-
-
-def trained_adapter(model_dir, rank, seed, targets="all-linear"):
-    """A PEFT model whose adapter has moved (B != 0), its adapter tensors and config."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    adapter = attach_adapter(model, LoraSpec(rank=rank, alpha=2 * rank, target_modules=targets), "actor", seed=seed)
-    gen = torch.Generator().manual_seed(seed + 100)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".lora_B." in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-    return model, adapter, {n: t.clone() for n, t in adapter_state(model.state_dict().items())}
 
 
 def log_probs(model, seq=SEQ):
@@ -82,13 +69,13 @@ def test_each_adapter_version_is_what_vllm_serves(engine, vllm_tiny_model_dir):
     hf = build_backend(RolloutConfig(model_path=vllm_tiny_model_dir, backend="hf", device="cpu", sampling=greedy()))
     # rank 8 on every linear layer, then rank 1 on two projections only: each replaces the last
     for rank, seed, targets in ((8, 0, "all-linear"), (1, 1, ["q_proj", "v_proj"])):
-        model, adapter, tensors = trained_adapter(vllm_tiny_model_dir, rank, seed, targets)
+        model, adapter, tensors = trained_adapter(vllm_tiny_model_dir, rank, seed, targets, b_seed=seed + 100)
         assert engine.load_adapter(tensors.items(), adapter.config_dict()) == len(tensors)
         served = engine.prompt_log_probs([SEQ])[0]
         assert torch.allclose(served, log_probs(model), atol=1e-4), (served - log_probs(model)).abs().max()
         assert (served - base).abs().mean() > 1e-2
     # generation samples with the adapter too: greedy text equals the HF backend's under the rank-8 one
-    model, adapter, tensors = trained_adapter(vllm_tiny_model_dir, 8, 0)
+    model, adapter, tensors = trained_adapter(vllm_tiny_model_dir, 8, 0, b_seed=100)
     engine.load_adapter(tensors.items(), adapter.config_dict())
     hf.load_adapter(tensors.items(), adapter.config_dict())
     prompts = left_padded_prompts(PROMPTS)
@@ -96,14 +83,14 @@ def test_each_adapter_version_is_what_vllm_serves(engine, vllm_tiny_model_dir):
 
 
 def test_a_module_vllm_cannot_adapt_is_an_error(engine, vllm_tiny_model_dir):
-    _, adapter, tensors = trained_adapter(vllm_tiny_model_dir, 8, 2)
+    _, adapter, tensors = trained_adapter(vllm_tiny_model_dir, 8, 2, b_seed=102)
     renamed = {n.replace("mlp.up_proj", "mlp.fancy_proj"): t for n, t in tensors.items()}
     with pytest.raises(ValueError, match="cannot adapt modules .*fancy_proj"):
         engine.load_adapter(renamed.items(), adapter.config_dict())
 
 
 def test_the_check_catches_an_adapter_that_never_arrived(engine, vllm_tiny_model_dir):
-    model, adapter, tensors = trained_adapter(vllm_tiny_model_dir, 8, 3)
+    model, adapter, tensors = trained_adapter(vllm_tiny_model_dir, 8, 3, b_seed=103)
     actor = PeftEngine(model, adapter)
     engine.load_adapter(tensors.items(), adapter.config_dict())
     metrics = SyncCheck(tuple(SEQ), 1e-3).run(engine, actor, "the adapter weights")

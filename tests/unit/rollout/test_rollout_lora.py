@@ -3,28 +3,20 @@ base weights stay), the vLLM engine settings for LoRA, and the choice of what a 
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
-from ballast.engine.config import LoraSpec, SpecError
-from ballast.engine.lora import adapter_state, attach_adapter
+from ballast.engine.config import SpecError
 from ballast.workers.rollout import RolloutConfig, SamplingConfig, build_backend
 from ballast.workers.rollout.vllm_backend import engine_kwargs
 from ballast.workers.rollout.vllm_lora import VLLM_LORA_RANKS, lora_engine_kwargs, vllm_lora_rank
 from ballast.workers.rollout.weight_sync import SyncMode, sync_mode
+from testkit.lora import trained_adapter
 
 SEQ = [3, 9, 27, 81, 14, 5, 200, 17, 64, 8]
 
 
-def _trained_adapter(model_dir, rank=4, seed=0, targets="all-linear"):
-    """A PEFT model with a non-zero adapter (as after some training) and its adapter tensors and config."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    adapter = attach_adapter(model, LoraSpec(rank=rank, alpha=2 * rank, target_modules=targets), "actor", seed=seed)
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".lora_B." in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-    tensors = {n: t.clone() for n, t in adapter_state(model.state_dict().items())}
+def _trained_adapter(model_dir, rank=4, seed=0):
+    """A PEFT model with a non-zero adapter (as after some training), its adapter tensors and config."""
+    model, adapter, tensors = trained_adapter(model_dir, rank, seed)
     return model, tensors, adapter.config_dict()
 
 
