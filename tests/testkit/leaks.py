@@ -14,6 +14,10 @@ machine never count:
 Leftovers are listed, the session's exit status is set to "tests failed", and then they are removed
 (processes killed, directories deleted) so that one failing run does not burden the next. Processes
 get a grace period first: Ray's processes end a moment after the call that stopped them returns.
+
+Under pytest-xdist every worker checks what its own tests left (each worker is a pytest session, and a
+subreaper of its own) and hands the list to the controller, which reports them all and fails the run:
+a worker's own exit status does not reach the controller's.
 """
 
 import ctypes
@@ -132,6 +136,12 @@ def _clean(pids, dirs) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist, on the controller: a worker finished; keep what its own check found."""
+    _session.setdefault("worker_lines", []).extend(getattr(node, "workeroutput", {}).get("ballast_leftovers", []))
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session, exitstatus):
     if "ray_root" not in _session:
@@ -144,11 +154,19 @@ def pytest_sessionfinish(session, exitstatus):
         os.environ.pop("RAY_TMPDIR", None)
     else:
         os.environ["RAY_TMPDIR"] = _session["old_ray_tmpdir"]
-    if not processes and not dirs:
+    lines = []
+    if processes or dirs:
+        lines = [f"the test session left {len(processes)} process(es) running and {len(dirs)} Ray session "
+                 "directory(ies) behind (now killed and removed):"]
+        lines += [f"  process {text}" for text in processes] + [f"  directory {path}" for path in dirs]
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # a pytest-xdist worker: the controller reports and fails the run
+        worker = getattr(session.config, "workerinput", {}).get("workerid", "worker")
+        workeroutput["ballast_leftovers"] = [f"[{worker}] {line}" for line in lines]
         return
-    lines = [f"the test session left {len(processes)} process(es) running and {len(dirs)} Ray session "
-             "directory(ies) behind (now killed and removed):"]
-    lines += [f"  process {text}" for text in processes] + [f"  directory {path}" for path in dirs]
+    lines += _session.pop("worker_lines", [])
+    if not lines:
+        return
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         reporter.write_sep("=", "leftovers", red=True)

@@ -8,9 +8,15 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 _TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-_CONFTEST = "from testkit.leaks import pytest_sessionfinish, pytest_sessionstart  # noqa: F401\n"
+_CONFTEST = "from testkit.leaks import pytest_sessionfinish, pytest_sessionstart, pytest_testnodedown  # noqa: F401\n"
+
+# In this process and on a pytest-xdist worker (as scripts/test.sh runs the suite): the worker's own
+# check must reach the controller, whose exit status is the run's.
+MODES = pytest.mark.parametrize("args", [[], ["-n", "1"]], ids=["serial", "xdist"])
 
 _LEAKY = textwrap.dedent('''
     import os, subprocess, sys
@@ -40,14 +46,14 @@ _CLEAN = textwrap.dedent('''
 ''')
 
 
-def _run_suite(tmp_path, body, marker):
+def _run_suite(tmp_path, body, marker, args):
     (tmp_path / "conftest.py").write_text(_CONFTEST)
     (tmp_path / "test_inner.py").write_text(body)
     # a 1 s grace instead of 10 s: the leaky suite's sleeper never ends by itself, so the wait buys nothing
     env = {**os.environ, "LEAK_MARKER": marker, "LEAK_CHECK_GRACE_S": "1",
            "PYTHONPATH": os.pathsep.join([_TESTS_DIR, os.environ.get("PYTHONPATH", "")])}
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
-                           "-c", os.devnull, str(tmp_path)], cwd=str(tmp_path), env=env, capture_output=True,
+                           "-c", os.devnull, *args, str(tmp_path)], cwd=str(tmp_path), env=env, capture_output=True,
                           text=True, timeout=300)
 
 
@@ -62,9 +68,10 @@ def _with_marker(marker):
     return found
 
 
-def test_a_suite_that_leaves_an_orphaned_process_or_a_ray_directory_fails_and_is_cleaned_up(tmp_path):
+@MODES
+def test_a_suite_that_leaves_an_orphaned_process_or_a_ray_directory_fails_and_is_cleaned_up(tmp_path, args):
     marker = f"leak-check-{os.getpid()}-{time.monotonic_ns()}"
-    result = _run_suite(tmp_path, _LEAKY, marker)
+    result = _run_suite(tmp_path, _LEAKY, marker, args)
     out = result.stdout + result.stderr
     try:
         assert result.returncode == 1, out
@@ -76,6 +83,7 @@ def test_a_suite_that_leaves_an_orphaned_process_or_a_ray_directory_fails_and_is
             os.kill(pid, 9)
 
 
-def test_a_suite_that_leaves_nothing_passes(tmp_path):
-    result = _run_suite(tmp_path, _CLEAN, "unused")
+@MODES
+def test_a_suite_that_leaves_nothing_passes(tmp_path, args):
+    result = _run_suite(tmp_path, _CLEAN, "unused", args)
     assert result.returncode == 0 and "leftovers" not in result.stdout, result.stdout + result.stderr
