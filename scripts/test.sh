@@ -11,11 +11,11 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 MARK="not gpu"
 if python -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then MARK=""; fi
 # Two pytest-xdist workers: the heavy tests run as two streams that fill each other's idle time (process
-# and Ray start-ups, waits on subprocesses), the unit-test files wherever a worker is free; the groups are
-# in tests/conftest.py. BALLAST_TEST_WORKERS=0 runs everything in this one process instead.
+# and Ray start-ups, waits on subprocesses), the unit-test files wherever a worker is free (the groups:
+# tests/testkit/streams.py). BALLAST_TEST_WORKERS=0 runs everything in this one process instead.
 WORKERS="${BALLAST_TEST_WORKERS:-2}"
 XDIST=()
-if [[ "$WORKERS" != 0 ]]; then XDIST=(-n "$WORKERS" --dist loadgroup --no-loadscope-reorder); fi
+if [[ "$WORKERS" != 0 ]]; then XDIST=(-n "$WORKERS"); fi
 echo "[test] pytest ${MARK:+-m '$MARK'} ${XDIST[*]} $*"
 if [[ -n "$MARK" ]]; then
   exec python -m pytest -m "$MARK" "${XDIST[@]}" "$@"

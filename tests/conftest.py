@@ -35,34 +35,8 @@ import pytest  # noqa: E402
 # The suite fails if it leaves a process or a Ray session directory behind (see testkit/leaks.py).
 from testkit.leaks import pytest_sessionfinish, pytest_sessionstart, pytest_testnodedown  # noqa: E402,F401
 
-# scripts/test.sh runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`): every test joins
-# a group, and a group runs whole on one worker, in order. The heavy tests form two streams of about
-# equal length (measured on 2 cores) that overlap each other's idle time (process start-ups, Ray
-# start-ups, waits on subprocesses); each unit-test file is a group of its own, filling in wherever a
-# worker is free. The two real-model tests (~10 GB each) share a stream, so they never run at once.
-_STREAMS = (  # (path prefix, stream); the first match wins
-    ("tests/distributed/test_real_model_ulysses.py", "stream-e2e"),
-    ("tests/e2e/test_faults.py", "stream-cluster"),
-    ("tests/e2e/test_bad_inputs.py", "stream-cluster"),
-    ("tests/e2e/", "stream-e2e"),
-    ("tests/distributed/", "stream-cluster"),
-    ("tests/multinode/", "stream-cluster"),
-    ("tests/ray/", "stream-cluster"),
-)
-
-
-def xdist_group_of(relpath: str) -> str:
-    """The xdist group of the test file at `relpath` (relative to the repository, `/`-separated)."""
-    return next((stream for prefix, stream in _STREAMS if relpath.startswith(prefix)), relpath)
-
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook turns the marks into work units
-def pytest_collection_modifyitems(config, items):
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    for item in items:
-        relpath = item.path.relative_to(config.rootpath).as_posix()
-        item.add_marker(pytest.mark.xdist_group(xdist_group_of(relpath)))
+# scripts/test.sh runs the suite on two pytest-xdist workers (see testkit/streams.py).
+from testkit.streams import pytest_xdist_make_scheduler  # noqa: E402,F401
 
 
 @pytest.fixture(scope="session")
