@@ -56,3 +56,46 @@ def test_install_routes_vllms_cpu_path_through_the_grouped_ops():
     lora_ops.sgmv_shrink(x, a, out, torch.tensor([0, 3]), torch.tensor([3, 2]), torch.tensor([2, 0]), 2, 3, 5, 1.0)
     expected = torch.cat([x[:3] @ a[2].T, x[3:] @ a[0].T])
     assert torch.allclose(out, expected, atol=1e-5)
+
+
+def _wrapper(index_mapping, lora_index_to_id, is_prefill):
+    from vllm.lora.layers.utils import LoRAMapping
+    from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
+
+    wrapper = PunicaWrapperCPU(max_num_batched_tokens=32, max_batches=16, device="cpu")
+    mapping = LoRAMapping(index_mapping=index_mapping, prompt_mapping=index_mapping, is_prefill=is_prefill)
+    wrapper.update_metadata(mapping, lora_index_to_id, max_loras=len(lora_index_to_id), vocab_size=100)
+    return wrapper
+
+
+@pytest.mark.parametrize("is_prefill", [False, True])
+@pytest.mark.parametrize("ids", [(7,) * TOKENS, (0,) * TOKENS, (7, 9, 7, 0, 9, 7, 7, 9, 0, 7, 7)],
+                         ids=["one adapter", "no adapter", "mixed"])
+def test_whole_layer_lora_equals_vllms_per_slice_path(ids, is_prefill):
+    """q/k/v-like slices (three outputs), scale != 1: the one-slot path (two matmuls) writes what vLLM's
+    per-slice path writes, and every other case falls back to it; a new adapter in the slots is seen."""
+    from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
+
+    fast.install()
+    gen = torch.Generator().manual_seed(2)
+    slices = (OUT, 16, 16)
+    a = tuple(torch.randn(2, 1, RANK, IN, generator=gen) for _ in slices)
+    b = tuple(torch.randn(2, 1, n, RANK, generator=gen) for n in slices)
+    x = torch.randn(TOKENS, IN, generator=gen)
+    base = torch.randn(TOKENS, sum(slices) + 5, generator=gen)
+    wrapper = _wrapper(ids, [7, 9], is_prefill)
+    expected_slot = {(7,) * TOKENS: 0, (0,) * TOKENS: -1}.get(tuple(ids))
+    assert wrapper._ballast_common_slot == expected_slot
+    for _ in range(2):
+        ours, theirs = base.clone(), base.clone()
+        PunicaWrapperCPU.add_lora_linear(wrapper, ours, x, a, b, 0.5, slices)
+        if expected_slot == -1:
+            # -1 means "no adapter" (vLLM's prefill path skips it; its decode path would index the last
+            # slot, which vLLM keeps zeroed while unused): the output stays the base layer's
+            assert torch.equal(ours, base)
+        else:
+            fast._ORIGINAL["add_lora_linear"](wrapper, theirs, x, a, b, 0.5, slices)
+            assert torch.allclose(ours, theirs, atol=1e-4)
+            assert not torch.equal(ours, base)
+        for t in (*a, *b):
+            t.mul_(-1.5)  # the next adapter version, written in place as vLLM does
