@@ -7,7 +7,11 @@ profiler's op table of the adapter call.
 
 Reports the median seconds of `--repeats` calls per engine, the difference, and the ops that take
 the most self CPU time in the adapter call, with their call counts (`ops`), so that per-call overhead
-(many tiny calls) can be told from arithmetic (few large ones).
+(many tiny calls) can be told from arithmetic (few large ones). On the adapter engine it then times,
+interleaved, `--repeats` calls each of the whole-layer one-slot path (`vllm_cpu_lora_ops`), vLLM's
+per-slice path, and no adapter request (the LoRA layers with nothing to add), and checks that the
+two paths sample the same tokens (`paths`). Engines in separate processes compare only loosely on a
+shared box; the paths share one engine and one process.
 """
 
 from __future__ import annotations
@@ -28,6 +32,32 @@ def timed_calls(backend, prompts, repeats: int) -> list:
         backend.generate(prompts, call_index=i + 1)
         times.append(time.perf_counter() - start)
     return times
+
+
+def compare_paths(backend, prompts, repeats: int) -> dict:
+    """Interleaved calls of the one-slot path, vLLM's per-slice path and no adapter request."""
+    from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
+
+    from ballast.workers.rollout import vllm_cpu_lora_ops as ops
+
+    one_slot, adapter_id = PunicaWrapperCPU.add_lora_linear, backend._adapter_id
+    modes = {"one_slot": (one_slot, adapter_id), "per_slice": (ops._ORIGINAL["add_lora_linear"], adapter_id),
+             "no_adapter_request": (one_slot, 0)}
+    times = {name: [] for name in modes}
+    same_tokens = True
+    try:
+        for i in range(repeats):
+            outs = {}
+            for name in (list(modes) if i % 2 == 0 else list(modes)[::-1]):
+                PunicaWrapperCPU.add_lora_linear, backend._adapter_id = modes[name]
+                start = time.perf_counter()
+                outs[name] = backend.generate(prompts, call_index=200 + i)["responses"]
+                times[name].append(time.perf_counter() - start)
+            same_tokens &= bool((outs["one_slot"] == outs["per_slice"]).all())
+    finally:
+        PunicaWrapperCPU.add_lora_linear, backend._adapter_id = one_slot, adapter_id
+    return {**{name: {"s_per_call": statistics.median(t), "all": t} for name, t in times.items()},
+            "same_tokens_one_slot_vs_per_slice": same_tokens}
 
 
 def main() -> None:
@@ -79,6 +109,8 @@ def main() -> None:
             table = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:args.top]
             result["ops"] = [{"op": e.key, "calls": e.count, "self_cpu_s": e.self_cpu_time_total / 1e6} for e in table]
             result["profiled_calls_total"] = sum(e.count for e in prof.key_averages())
+            result["paths"] = compare_paths(backend, prompts, args.repeats)
+            print(json.dumps({"paths": result["paths"]}), flush=True)
         backend.shutdown()
         print(json.dumps({name: result[name]}), flush=True)
     result["adapter_extra_s"] = result["adapter"]["s_per_call"] - result["plain"]["s_per_call"]
