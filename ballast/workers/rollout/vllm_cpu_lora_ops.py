@@ -38,15 +38,23 @@ def _matrices(weights: torch.Tensor) -> torch.Tensor:
     return weights.squeeze(1) if weights.dim() == 4 else weights
 
 
+def common_slot(token_slots: torch.Tensor) -> int | None:
+    """The adapter slot every token uses (-1: none), or None when tokens use different slots."""
+    if token_slots.numel() == 0:
+        return None
+    first = int(token_slots[0])
+    return first if bool((token_slots == first).all()) else None
+
+
 def lora_products(inputs: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Row b: inputs[b] @ weights[indices[b]].T, computed one adapter slot at a time."""
     mats = _matrices(weights)
     x = inputs.to(dtype)
     if indices.numel() == 0:
         return x.new_zeros(0, mats.shape[1])
-    first = int(indices[0])
-    if bool((indices == first).all()):
-        return x @ mats[first].to(dtype).T
+    slot = common_slot(indices)
+    if slot is not None:
+        return x @ mats[slot].to(dtype).T
     out = x.new_empty(x.shape[0], mats.shape[1])
     for slot in torch.unique(indices).tolist():
         rows = indices == slot
@@ -80,14 +88,6 @@ def bgmv_expand_slice(inputs, lora_b_weights, output_tensor, lora_indices_tensor
         output_tensor[:, slice_offset: slice_offset + slice_size] = outputs
 
 
-def common_slot(token_slots: torch.Tensor) -> int | None:
-    """The adapter slot every token uses (-1: none), or None when tokens use different slots."""
-    if token_slots.numel() == 0:
-        return None
-    first = int(token_slots[0])
-    return first if bool((token_slots == first).all()) else None
-
-
 def fused_weights(lora_a_stacked, lora_b_stacked, slot: int, dtype: torch.dtype):
     """(A, B) of one slot for all slices: A (slices*rank, in) stacked, B (sum(out), slices*rank) block-diagonal."""
     key = (slot, dtype, *((id(t), t._version) for t in (*lora_a_stacked, *lora_b_stacked)))
@@ -108,7 +108,7 @@ def add_lora_linear_one_slot(wrapper, y, x, lora_a_stacked, lora_b_stacked, scal
     slot = getattr(wrapper, "_ballast_common_slot", None)
     rows = x.view(-1, x.shape[-1])
     out = y.view(-1, y.shape[-1])
-    if (slot is None or rows.shape[0] != wrapper.token_lora_indices.shape[0] or sum(output_slices) > out.shape[1]
+    if (slot is None or rows.shape[0] != wrapper._ballast_token_count or sum(output_slices) > out.shape[1]
             or not kwargs.get("add_inputs", True)):
         return _ORIGINAL["add_lora_linear"](wrapper, y, x, lora_a_stacked, lora_b_stacked, scale, output_slices,
                                             **kwargs)
@@ -122,7 +122,10 @@ def add_lora_linear_one_slot(wrapper, y, x, lora_a_stacked, lora_b_stacked, scal
 
 def _update_metadata(wrapper, *args, **kwargs):
     _ORIGINAL["update_metadata"](wrapper, *args, **kwargs)
-    wrapper._ballast_common_slot = common_slot(wrapper.token_lora_indices)
+    # Once per forward, not per adapted layer: the slot all tokens share and how many tokens were mapped.
+    token_slots = wrapper.token_lora_indices
+    wrapper._ballast_common_slot = common_slot(token_slots)
+    wrapper._ballast_token_count = token_slots.shape[0]
 
 
 _ORIGINAL: dict = {}
