@@ -17,9 +17,14 @@ Modes, on one engine (vLLM by default, `--backend hf` for transformers) and the 
     requests are submitted together (one batch, each row stopping at its own length), the step
     waits for the whole batch, then runs every tool call of the turn concurrently and waits for all
     of them, then turn t + 1.
-Both modes run `--repeats` times, interleaved (batched, async, async, batched, ...) after one
-warm-up of each; the result is the median wall time per mode and their ratio (target: async <= 0.5 x
-batched on the 2-core box). Token and tool-call totals are reported to show the work is the same.
+  * `critical` (a bound, not a mode): the one conversation async mode must wait for, alone on the
+    engine (the one whose own turns and tool calls take longest when run by itself). No schedule
+    can finish the work sooner than its turns one after another, so `critical_s / batched_s` is the
+    lowest ratio any request-level scheduler could reach on this work on this machine.
+All run `--repeats` times, interleaved (batched, async, critical, critical, async, batched, ...) after
+one warm-up of each; the result is the median wall time per mode and the ratio async / batched
+(target: async <= 0.5 x batched on the 2-core box), beside the bound. Token and tool-call totals are
+reported to show that async and batched do the same work.
 """
 
 from __future__ import annotations
@@ -119,10 +124,16 @@ async def _batched_mode(engine, work, executor, call, tool_ids):
     return [len(s) - len(w["prompt"]) for s, w in zip(seqs, work)]
 
 
+def critical_conversation(new_core, work, executor, call, tool_ids) -> int:
+    """The index of the conversation that takes longest alone on the engine (each timed once)."""
+    times = [run_mode("async", new_core, [w], executor, call, tool_ids)["seconds"] for w in work]
+    return int(np.argmax(times))
+
+
 def run_mode(mode: str, new_core, work, executor, call, tool_ids) -> dict:
     from ballast.workers.rollout.async_engine import AsyncEngine
 
-    play = _async_mode if mode == "async" else _batched_mode
+    play = _batched_mode if mode == "batched" else _async_mode
 
     async def main():
         async with AsyncEngine(new_core()) as engine:
@@ -156,12 +167,14 @@ def main() -> None:
     new_core = build_engine(args, work)
     executor, call = make_tools(args.tool_latency_s)
     tool_ids = list(range(50, 50 + args.tool_tokens))
-    runs = {"async": [], "batched": []}
+    runs = {"async": [], "batched": [], "critical": []}
     for mode in ("batched", "async"):  # warm-up (first-shape compiles), not counted
         run_mode(mode, new_core, work, executor, call, tool_ids)
+    critical = critical_conversation(new_core, work, executor, call, tool_ids)
+    works = {"async": work, "batched": work, "critical": [work[critical]]}
     for rep in range(args.repeats):
-        for mode in (("batched", "async") if rep % 2 == 0 else ("async", "batched")):
-            r = run_mode(mode, new_core, work, executor, call, tool_ids)
+        for mode in (("batched", "async", "critical") if rep % 2 == 0 else ("critical", "async", "batched")):
+            r = run_mode(mode, new_core, works[mode], executor, call, tool_ids)
             runs[mode].append(r)
             print(f"rep {rep} {mode}: {r['seconds']:.3f} s, {r['response_tokens']} response tokens, "
                   f"{r['engine_steps']} engine steps", flush=True)
@@ -173,13 +186,18 @@ def main() -> None:
         "config": {k: v for k, v in vars(args).items() if k != "json"},
         "work": {"conversations": len(work), "tool_calls": calls, "sampled_tokens": sampled,
                  "inserted_tokens": calls * args.tool_tokens, "turns": calls + len(work)},
-        "async_s": med["async"], "batched_s": med["batched"], "ratio_async_vs_batched": med["async"] / med["batched"],
+        "critical_conversation": {"index": critical, "turn_tokens": work[critical]["turns"],
+                                  "tool_calls": len(work[critical]["turns"]) - 1},
+        "async_s": med["async"], "batched_s": med["batched"], "critical_s": med["critical"],
+        "ratio_async_vs_batched": med["async"] / med["batched"],
+        "ratio_bound_critical_vs_batched": med["critical"] / med["batched"],
         "paired_ratios": [a["seconds"] / b["seconds"] for a, b in zip(runs["async"], runs["batched"])],
         "runs": runs,
     }
-    for mode, rs in runs.items():  # the same work in both modes
-        assert all(r["response_tokens"] == sampled + calls * args.tool_tokens for r in rs), mode
-    print(json.dumps({k: result[k] for k in ("work", "async_s", "batched_s", "ratio_async_vs_batched",
+    for mode in ("async", "batched"):  # the same work in both modes
+        assert all(r["response_tokens"] == sampled + calls * args.tool_tokens for r in runs[mode]), mode
+    print(json.dumps({k: result[k] for k in ("work", "critical_conversation", "async_s", "batched_s", "critical_s",
+                                             "ratio_async_vs_batched", "ratio_bound_critical_vs_batched",
                                              "paired_ratios")}, indent=1))
     if args.json:
         with open(args.json, "w") as f:
