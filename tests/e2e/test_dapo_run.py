@@ -115,3 +115,30 @@ def test_dapo_recipe_draws_several_generation_batches_and_stops_with_its_data(gs
         core = {k for k in row if k.startswith("val-core/")}
         assert core == {"val-core/openai/gsm8k/acc/mean@1"}, core  # verl's main variable with the DAPO manager
         assert "val-aux/openai/gsm8k/reward/mean@1" in row and "val-aux/openai/gsm8k/overlong/mean@1" not in row
+
+
+def test_dapo_with_a_batch_generated_ahead_fills_each_step_with_fresh_samples(gsm8k_task, tiny_task, e2e_ray, tmp_path):
+    # off-policy overlap, one batch ahead: each step's first generation batch is one update old (from
+    # step 2 on); the further batches dynamic sampling needs are generated with the latest weights
+    out = run_dir(tmp_path, "dapo_k1")
+    line = _dapo_line(gsm8k_task, tiny_task["model"], out) + [
+        "trainer.v1.trainer_mode=colocate_async", "trainer.v1.colocate_async.num_warmup_batches=1",
+        "trainer.total_training_steps=4", "trainer.test_freq=-1", "trainer.val_before_train=False",
+        "trainer.save_freq=-1"]
+    with training_session(prepare_typed(load_config(line))) as trainer:
+        assert trainer.rollouts.ahead == 1 and trainer.correction.bypass
+        trainer.fit()
+        trained = trainer.global_step
+    rows = [json.loads(r) for r in open(os.path.join(out, "metrics.jsonl"))]
+    steps = [r for r in rows if "train/num_gen_batches" in r]
+    assert [r["step"] for r in steps] == list(range(1, trained + 1)) and trained >= 3
+    age = "training/off_policy/trajectory_staleness"
+    assert steps[0][f"{age}/max"] == 0.0  # nothing was generated ahead of the first step
+    refilled = [r for r in steps[1:] if r["train/num_gen_batches"] >= 2]
+    assert refilled, [r["train/num_gen_batches"] for r in steps]
+    for r in refilled:  # mixed ages: the ahead batch's groups (if any survived) and fresh ones
+        assert r[f"{age}/min"] == 0.0 and r[f"{age}/max"] <= 1.0
+    for r in steps[1:]:
+        if r["train/num_gen_batches"] == 1:
+            assert r[f"{age}/min"] == 1.0
+        assert math.isfinite(r["actor/pg_loss"]) and math.isfinite(r["rollout_corr/k3_kl"])

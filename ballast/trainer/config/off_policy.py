@@ -72,10 +72,6 @@ def check_off_policy(cfg) -> None:
     k = staleness_bound(cfg)
     if k == 0:
         return
-    if cfg.algorithm.filter_groups.enable:
-        raise ConfigError(f"algorithm.filter_groups.enable=True with {MODE_KEY}=colocate_async is not supported: "
-                          "dynamic sampling draws a variable number of generation batches per step, which a fixed "
-                          f"number of batches generated ahead cannot hold ({AHEAD_KEY}={k})")
     rc = cfg.algorithm.rollout_correction
     if not (rc.bypass_mode or rc.rollout_is or rc.rollout_rs):
         raise ConfigError(f"{MODE_KEY}=colocate_async with {AHEAD_KEY}={k} trains on samples up to {k} update(s) "

@@ -46,11 +46,23 @@ class Rollout:
 
     step: int
     version: int
-    """Actor updates the generating weights had seen (the step whose update preceded its launch, 0
-    before the first)."""
-    batch: Batch
+    """Actor updates the weights that generated the step's first batch had seen (the step whose
+    update preceded its launch, 0 before the first)."""
+    batch: Optional[Batch]
+    """None while `unfilled` is set."""
     timing: Dict[str, float] = field(default_factory=dict)
     metrics: Dict[str, float] = field(default_factory=dict)
+    versions: Optional[np.ndarray] = None
+    """Per row, when the rows come from generation batches of different versions (dynamic sampling
+    completing an ahead batch with the latest weights); None: every row has `version`."""
+    unfilled: Optional[object] = None
+    """Dynamic sampling's collector when the first batch left the step short: the trainer draws the
+    rest on the main thread when it takes the step (`RayPPOTrainer.fill_groups`)."""
+
+    def row_versions(self) -> np.ndarray:
+        if self.versions is not None:
+            return self.versions
+        return np.full(len(self.batch), self.version, dtype=np.int64)
 
 
 @dataclass
@@ -158,8 +170,8 @@ def idle_metrics(timing: Dict[str, float]) -> Dict[str, float]:
 
 def staleness_metrics(rollout: Rollout, step: int) -> Dict[str, float]:
     """verl's off-policy metrics: how many updates behind the policy being trained each sample's
-    generating weights were (every sample of a batch shares one version: no partial rollouts)."""
-    age = np.full(len(rollout.batch), (step - 1) - rollout.version, dtype=np.float64)
+    generating weights were (no partial rollouts: a sample's tokens share one version)."""
+    age = ((step - 1) - rollout.row_versions()).astype(np.float64)
     return {f"{STALENESS}/mean": float(age.mean()), f"{STALENESS}/max": float(age.max()),
             f"{STALENESS}/min": float(age.min())}
 
@@ -172,7 +184,7 @@ def save_rollouts_ahead(path: str, rollouts: List[Rollout]) -> None:
     their prompts, and a resumed run trains on them exactly as the uninterrupted run would have."""
     if rollouts:
         with open(os.path.join(path, AHEAD_FILE), "wb") as f:
-            pickle.dump([(r.step, r.version, r.batch, r.timing, r.metrics) for r in rollouts], f)
+            pickle.dump([(r.step, r.version, r.batch, r.timing, r.metrics, r.versions, r.unfilled) for r in rollouts], f)
 
 
 def load_rollouts_ahead(path: str) -> List[Rollout]:

@@ -45,7 +45,6 @@ def test_zero_batches_ahead_is_the_synchronous_trainer():
 @pytest.mark.parametrize("overrides, message", [
     (["trainer.v1.colocate_async.num_warmup_batches=1.5"], "num_warmup_batches=1.5 must be a whole number"),
     (["trainer.v1.colocate_async.num_warmup_batches=-1"], "num_warmup_batches=-1.0 must be a whole number"),
-    (["algorithm.filter_groups.enable=True", "actor_rollout_ref.rollout.n=2"], "filter_groups.enable=True with"),
     (["actor_rollout_ref.actor.policy_loss.loss_mode=gspo"], "bypass_mode=true trains with"),
 ])
 def test_colocate_async_rules_name_the_keys(overrides, message):
@@ -64,3 +63,10 @@ def test_separate_pools_are_refused_naming_the_mode():
 def test_an_unknown_mode_is_refused_by_the_loader():
     with pytest.raises(ConfigError, match="trainer.v1.trainer_mode='fully_async' is not one of"):
         _load("trainer.v1.trainer_mode=fully_async")
+
+
+def test_dynamic_sampling_is_accepted_with_batches_ahead():
+    cfg = _load("trainer.v1.trainer_mode=colocate_async", "algorithm.filter_groups.enable=True",
+                "actor_rollout_ref.rollout.n=2")
+    assert staleness_bound(cfg) == 1 and cfg.algorithm.rollout_correction.bypass_mode
+    check_rules(cfg)
