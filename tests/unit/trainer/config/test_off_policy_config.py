@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ballast.trainer.config import ConfigError, check_rules, load_config
-from ballast.trainer.config.off_policy import staleness_bound
+from ballast.trainer.config.off_policy import staleness_bound, warmup_steps
 
 BASE = ["data.train_files=/d", "actor_rollout_ref.model.path=/m"]
 
@@ -43,8 +43,7 @@ def test_zero_batches_ahead_is_the_synchronous_trainer():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["trainer.v1.colocate_async.num_warmup_batches=1.5"], "num_warmup_batches=1.5 must be a whole number"),
-    (["trainer.v1.colocate_async.num_warmup_batches=-1"], "num_warmup_batches=-1.0 must be a whole number"),
+    (["trainer.v1.colocate_async.num_warmup_batches=-1"], "num_warmup_batches=-1.0 must be a number of batches >= 0"),
     (["actor_rollout_ref.actor.policy_loss.loss_mode=gspo"], "bypass_mode=true trains with"),
 ])
 def test_colocate_async_rules_name_the_keys(overrides, message):
@@ -70,3 +69,29 @@ def test_dynamic_sampling_is_accepted_with_batches_ahead():
                 "actor_rollout_ref.rollout.n=2")
     assert staleness_bound(cfg) == 1 and cfg.algorithm.rollout_correction.bypass_mode
     check_rules(cfg)
+
+
+@pytest.mark.parametrize("value, train, gen, ahead", [
+    (1.5, 64, None, 1),   # verl: floor(1.5 x 64 / 64) = 1 batch of 64 prompts
+    (1.5, 64, 32, 3),     # verl's own example: 96 prompts = 3 batches of 32
+    (1.0, 32, 96, 0),     # DAPO's larger generation batches: the window holds none
+    (0.29, 100, 29, 1),   # 29 prompts, not 28.999...
+    (2, 16, None, 2),
+])
+def test_fractional_warmup_batches_count_prompts_as_verl_does(value, train, gen, ahead):
+    assert warmup_steps(value, train, gen) == ahead
+
+
+def test_a_rounded_warmup_is_announced(capsys):
+    cfg = _load("trainer.v1.trainer_mode=colocate_async", "trainer.v1.colocate_async.num_warmup_batches=1.5",
+                "data.train_batch_size=8")
+    assert staleness_bound(cfg) == 1 and cfg.algorithm.rollout_correction.bypass_mode
+    out = capsys.readouterr().out
+    assert "num_warmup_batches=1.5: 1.5 x data.train_batch_size=8 prompts hold 1 whole generation batch(es)" in out
+    check_rules(cfg)
+
+
+def test_a_warmup_below_one_batch_is_the_synchronous_trainer(capsys):
+    cfg = _load("trainer.v1.trainer_mode=colocate_async", "trainer.v1.colocate_async.num_warmup_batches=0.5")
+    assert staleness_bound(cfg) == 0 and not cfg.algorithm.rollout_correction.bypass_mode
+    assert "0 whole generation batch(es)" in capsys.readouterr().out
