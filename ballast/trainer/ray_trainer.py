@@ -66,6 +66,7 @@ from ballast.trainer.run.tracking import Tracker, format_validation, progress_po
 from ballast.trainer.step.val_metrics import validation_metrics
 from ballast.trainer.run import signals
 from ballast.trainer.step.rollout_correction import RolloutCorrectionPhase, rollout_correction_settings
+from ballast.trainer.step.rollout_weights import RolloutWeights
 from ballast.trainer.step.rollout_pipeline import (PendingRollout, Rollout, RolloutPipeline, idle_metrics,
                                                    load_rollouts_ahead, save_rollouts_ahead, staleness_metrics)
 from ballast.trainer.config.off_policy import staleness_bound
@@ -98,6 +99,7 @@ class RayPPOTrainer:
         self._pending_metrics: Dict[str, float] = {}  # measured after a step's row was logged
         self._step_clock = time.perf_counter()
         self.rollouts = RolloutPipeline(self.launch_rollout, self.finish_rollout, staleness_bound(cfg), self.total_steps)
+        self.rollout_weights = RolloutWeights(workers)  # separate_async: the weights travel to the rollout pool
         self.monitor = BalanceMonitor(tracker, self.total_steps, cfg.trainer.enable_monitor,
                                       cfg.trainer.monitor_interval, sizes.actor.token_budget(sizes.actor.train))
         self.resumed_from: Optional[str] = None  # the checkpoint `resume` loaded
@@ -107,6 +109,7 @@ class RayPPOTrainer:
         """Train from `global_step` (0, or where `resume` left it) to the last step."""
         self.tracker.rewind(self.global_step)
         self._weights_version = self.global_step  # updates the actor's weights have seen
+        self.rollout_weights.export(self.global_step)  # a rollout pool starts from the trainer's (resumed) weights
         t = self.cfg.trainer
         last: Dict[str, float] = {}
         if t.val_only:  # verl: validate the current (possibly resumed) policy once, no training
@@ -202,6 +205,9 @@ class RayPPOTrainer:
                     metrics.update(actor_metrics)
             # The weights of this step are final: the next batches generate from here on (module docstring).
             self._weights_version = step
+            if self.rollout_weights.split:
+                with _timer(timing, "export_weights"):
+                    self.rollout_weights.export(step)
             self.rollouts.launch_through(step + 1 + self.rollouts.ahead)
             with _timer(timing, "rollout_corr"):
                 metrics.update(self.correction.after_update(batch, actor_plan, results))
@@ -234,7 +240,8 @@ class RayPPOTrainer:
         without waiting (main thread: this fixes the weights that generate them, see RolloutPipeline)."""
         prompts = self.data.next_prompts(step)
         batch = prompts.repeat(self.cfg.actor_rollout_ref.rollout.n, interleave=True)
-        future = self.workers.actor_rollout.submit("generate_sequences", batch, call_index=step)
+        future = self.workers.generator.submit("generate_sequences", batch, call_index=step,
+                                               **self.rollout_weights.generate_kwargs())
         return PendingRollout(step, self._weights_version, future, time.perf_counter())
 
     def finish_rollout(self, pending: PendingRollout) -> Rollout:
@@ -275,8 +282,8 @@ class RayPPOTrainer:
                                     "batches are not trained on") from None
             with _timer(rollout.timing, "gen"):
                 more = prompts.repeat(self.cfg.actor_rollout_ref.rollout.n, interleave=True)
-                out = self.workers.actor_rollout.generate_sequences(
-                    more, call_index=step + num_gen * EXTRA_GENERATION_CALL_STRIDE)
+                out = self.workers.generator.generate_sequences(
+                    more, call_index=step + num_gen * EXTRA_GENERATION_CALL_STRIDE, **self.rollout_weights.generate_kwargs())
                 batch = self._generated(out, rollout.timing, rollout.metrics)
             with _timer(rollout.timing, "reward"):
                 extras = self._score(batch, step)
@@ -366,8 +373,9 @@ class RayPPOTrainer:
         val = self.data.val.repeat(self.cfg.actor_rollout_ref.rollout.val_kwargs.n, interleave=True)
         outputs = []
         for i, chunk in enumerate(val.split(self.data.val_batch_size or len(val))):
-            outputs.append(self.workers.actor_rollout.generate_sequences(
-                chunk, call_index=validation_call_index(self.global_step, i), validate=True).batch)
+            outputs.append(self.workers.generator.generate_sequences(
+                chunk, call_index=validation_call_index(self.global_step, i), validate=True,
+                **self.rollout_weights.generate_kwargs()).batch)
         out = Batch.concat(outputs) if len(outputs) > 1 else outputs[0]
         scores, extras = self.reward(out)
         per_sample = scores.sum(-1).numpy()

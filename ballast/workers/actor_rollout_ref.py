@@ -24,6 +24,7 @@ from ballast.engine.dist import init_distributed, resolve_device_type
 from ballast.engine.parallelize import compute_dtype
 from ballast.protocol import Batch, Output
 from ballast.single_controller import Dispatch, Worker, register
+from ballast.single_controller.object_store import DEFAULT_BUCKET_BYTES, StoredWeights, iter_buckets, put_buckets
 from ballast.engine import MiniBatchPlan, PhasePlan
 from ballast.workers.on_policy import OldLogProbMode, SelfOldLogProbLoss, rows_after_first
 from ballast.workers.perf import mfu_metrics, peak_flops
@@ -33,7 +34,7 @@ from ballast.workers.agent_loop.runner import AgentLoopRunner
 from ballast.workers.agent_loop.tp import tp_agent_generate
 from ballast.workers.spec import ActorRolloutRefSpec
 from ballast.workers.sync_check import METRIC_PREFIX as SYNC_CHECK_PREFIX
-from ballast.workers.sync_check import SyncCheck, check_tolerance, probe_tokens
+from ballast.workers.sync_check import SyncCheck, check_against_trainer, check_tolerance, probe_tokens
 from ballast.workers.train_loop import UpdateResult, run_train_loop
 
 UPDATE_WEIGHTS_METRIC = "timing_s/update_weights"
@@ -99,7 +100,8 @@ class ActorRolloutRefWorker(Worker):
             self.rollout = build_backend(_per_engine_seed(spec.rollout, self.rank // tp))
             if spec.agent is not None:
                 self._agents = AgentLoopRunner(self.rollout, spec.agent)
-            self.rollout.sleep()  # GPU: hand the memory to training until the first generate
+            if self.actor is not None:
+                self.rollout.sleep()  # GPU: hand the memory to training until the first generate
         return {"rank": self.rank, "pid": os.getpid(), **self._init_weight_sync()}
 
     def _init_weight_sync(self) -> Dict[str, object]:
@@ -122,18 +124,36 @@ class ActorRolloutRefWorker(Worker):
 
     # ------------------------------------------------------------------ rollout
     @register(Dispatch.DP_COMPUTE_PROTO, pad=True)
-    def generate_sequences(self, prompts: Batch, call_index: Optional[int] = None, validate: bool = False) -> Output:
+    def generate_sequences(self, prompts: Batch, call_index: Optional[int] = None, validate: bool = False,
+                           weights: Optional[StoredWeights] = None) -> Output:
         """Prompts (left-padded) -> prompts + responses. `call_index` enters every sampling seed;
-        `validate` switches to the validation sampling parameters. Metrics: the weight sync's seconds
-        (`timing_s/update_weights`) when this call synced."""
+        `validate` switches to the validation sampling parameters; `weights` (a rollout pool of its own)
+        are loaded first. Metrics: the weight sync's seconds (`timing_s/update_weights`) when this call
+        synced."""
         if self.rollout is None:
             raise ValueError(f"worker rank {self.rank} has no rollout role")
-        # Weights first, then the KV cache (wake_up): the actor's gathered full tensors are freed
-        # before the cache comes back. A level-2 sleep discarded the engine's weights, so they are
-        # reloaded after every such sleep, not only after an actor update.
-        metrics = {}
         call_start = time.perf_counter()
-        synced = self._weights_stale or self.rollout.needs_weights
+        metrics = self._load_stored(weights) if weights is not None else self._sync_from_actor()
+        sampling = self.spec.rollout_val_sampling if validate else None
+        non_tensors = dict(prompts.non_tensors)
+        if self._agents is not None:  # request-level rollout: one agent loop per row, all concurrent
+            result = tp_agent_generate(self._agents, prompts, self._tp_group, sampling, call_index=call_index)
+            out = result.tensors
+            non_tensors.update(result.columns)
+        else:
+            out = tp_generate(self.rollout, prompts.tensors.select(*PROMPT_KEYS), self._tp_group, sampling,
+                              call_index=call_index)
+        if self.actor is not None:  # colocated: the memory goes back to training
+            self.rollout.sleep()
+        metrics[GENERATE_SECONDS_METRIC] = [time.perf_counter() - call_start]
+        return Output(Batch(out, non_tensors=non_tensors, meta=dict(prompts.meta)), metrics)
+
+    def _sync_from_actor(self) -> Dict[str, list]:
+        """Colocated: move the actor's weights into the engine when an update (or a level-2 sleep) made
+        them stale, then wake the engine. Weights first, then the KV cache: the actor's gathered full
+        tensors are freed before the cache comes back."""
+        metrics: Dict[str, list] = {}
+        synced = self.actor is not None and (self._weights_stale or self.rollout.needs_weights)
         if synced:
             start = time.perf_counter()
             sync_actor(self.rollout, self._require(self.actor, "actor"), self._sync_mode, self.spec.weight_sync.layered)
@@ -146,18 +166,48 @@ class ActorRolloutRefWorker(Worker):
             check = self._check.run(self.rollout, self.actor, f"the {self._sync_mode} weights")
             check[f"{SYNC_CHECK_PREFIX}/seconds"] = time.perf_counter() - start
             metrics.update({k: [v] for k, v in check.items()})
-        sampling = self.spec.rollout_val_sampling if validate else None
-        non_tensors = dict(prompts.non_tensors)
-        if self._agents is not None:  # request-level rollout: one agent loop per row, all concurrent
-            result = tp_agent_generate(self._agents, prompts, self._tp_group, sampling, call_index=call_index)
-            out = result.tensors
-            non_tensors.update(result.columns)
+        return metrics
+
+    def _load_stored(self, weights: StoredWeights) -> Dict[str, list]:
+        """A rollout pool of its own: stream the trainer's exported weights in from the object store,
+        then check them against the trainer's probe log-probs when the export carries them."""
+        start = time.perf_counter()
+        self.rollout.wake_up()
+        loaded = self.rollout.load_weights(iter_buckets(weights.buckets))
+        if loaded != weights.num_tensors:
+            raise RuntimeError(f"rollout rank {self.rank} loaded {loaded} of the {weights.num_tensors} exported tensors")
+        metrics: Dict[str, list] = {UPDATE_WEIGHTS_METRIC: [time.perf_counter() - start]}
+        if weights.probe_log_probs is not None:
+            start = time.perf_counter()
+            tolerance = check_tolerance(self.spec.weight_sync.check_tolerance, self.rollout.config.resolved_dtype(),
+                                        weights.trainer_dtype)
+            check = check_against_trainer(self.rollout, weights.probe_tokens, weights.probe_log_probs, tolerance,
+                                          f"weight version {weights.version} from the trainer pool")
+            check[f"{SYNC_CHECK_PREFIX}/seconds"] = time.perf_counter() - start
+            metrics.update({k: [v] for k, v in check.items()})
+        return metrics
+
+    @register(Dispatch.ONE_TO_ALL)
+    def export_weights(self, version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Optional[StoredWeights]:
+        """A rollout pool of its own: gather the actor's full weights (merged with its adapter, if it has
+        one) and put them into the object store in buckets; rank 0 returns the references (with the
+        probe's log-probs when the weight-sync check is on), the other ranks None. Collective over the
+        actor's mesh."""
+        actor = self._require(self.actor, "actor")
+        named = actor.iter_full_state_dict(layered=self.spec.weight_sync.layered)
+        if self.rank == 0:
+            refs, count, nbytes = put_buckets(named, bucket_bytes)
         else:
-            out = tp_generate(self.rollout, prompts.tensors.select(*PROMPT_KEYS), self._tp_group, sampling,
-                              call_index=call_index)
-        self.rollout.sleep()
-        metrics[GENERATE_SECONDS_METRIC] = [time.perf_counter() - call_start]
-        return Output(Batch(out, non_tensors=non_tensors, meta=dict(prompts.meta)), metrics)
+            for _ in named:  # every rank takes part in each bucket's gather
+                pass
+        probe = trained = None
+        if self.spec.weight_sync.check:
+            probe = probe_tokens(actor.model.config.vocab_size)
+            trained = actor.probe_log_probs(list(probe))
+        if self.rank != 0:
+            return None
+        dtype = str(compute_dtype(actor.cfg, actor.parallel.device_type)).removeprefix("torch.")
+        return StoredWeights(tuple(refs), count, nbytes, version, probe, trained, dtype)
 
     # ------------------------------------------------------------------ actor
     def _require(self, engine, role):

@@ -125,3 +125,20 @@ class SyncCheck:
             raise WeightSyncError(message or f"weight sync check failed on another worker after syncing {what} "
                                              "(see that worker's error)")
         return result.metrics()
+
+
+def check_against_trainer(backend, tokens: tuple[int, ...], trained: torch.Tensor, tolerance: float,
+                          what: str) -> dict[str, float]:
+    """The check on a rollout worker of a separate pool: the trainer scored the probe when it exported
+    the weights (`trained`); the rollout engine scores it after loading them. The verdict is agreed over
+    the rollout pool's process group, as `SyncCheck.run` does over the colocated group."""
+    served = backend.prompt_log_probs([list(tokens)])[0]
+    result = compare(served, trained, None)
+    message = diagnose(result, tolerance, what)
+    failed = torch.tensor([0.0 if message is None else 1.0])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if failed.item():
+        raise WeightSyncError(message or f"weight sync check failed on another rollout worker after syncing {what} "
+                                         "(see that worker's error)")
+    return result.metrics()

@@ -6,7 +6,8 @@ different places). Every impossible combination raises `ConfigError` naming the 
 
     samples_per_step            = data.train_batch_size * rollout.n
     dp_size (actor)             = world_size // actor.ulysses_sequence_parallel_size
-    rollout_dp                  = world_size // rollout.tensor_model_parallel_size
+    rollout_dp                  = rollout world // rollout.tensor_model_parallel_size
+                                  (rollout world: world_size, or the rollout pool under separate_async)
     mini_batch_samples          = actor.ppo_mini_batch_size * rollout.n            (global)
     mini_batch_samples_per_rank = mini_batch_samples // dp_size
     grad_accum_steps            = mini_batch_samples_per_rank // ppo_micro_batch_size_per_gpu (static)
@@ -118,7 +119,7 @@ def derive_sizes(cfg: BallastConfig, model: Optional[ModelInfo] = None) -> Deriv
     max_seq = data.max_prompt_length + data.max_response_length
 
     tp = rollout.tensor_model_parallel_size
-    rollout_dp = _rollout_dp(cfg, world, model)
+    rollout_dp = _rollout_dp(cfg, rollout_world_size(cfg), model)
 
     prefix = "actor_rollout_ref.actor"
     sp = _sp_size(prefix, actor.ulysses_sequence_parallel_size, world, model)
@@ -172,14 +173,22 @@ _WORLD = "world size (trainer.nnodes * trainer.n_gpus_per_node)"
 _SAMPLES = "data.train_batch_size * actor_rollout_ref.rollout.n"
 
 
+def rollout_world_size(cfg: BallastConfig) -> int:
+    """Processes that run the rollout: the trainer's (colocated) or the rollout pool's (separate_async)."""
+    if cfg.trainer.v1.trainer_mode == "separate_async":
+        return cfg.actor_rollout_ref.rollout.nnodes * cfg.actor_rollout_ref.rollout.n_gpus_per_node
+    return cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+
+
 def _rollout_dp(cfg: BallastConfig, world: int, model: Optional[ModelInfo]) -> int:
-    """Rollout workers (world // tensor-parallel size); every generation batch divides over them."""
+    """Rollout workers (rollout world // tensor-parallel size); every generation batch divides over them."""
     rollout = cfg.actor_rollout_ref.rollout
     tp, n = rollout.tensor_model_parallel_size, rollout.n
     tp_key = "actor_rollout_ref.rollout.tensor_model_parallel_size"
     if tp < 1:
         raise ConfigError(f"{tp_key}={tp} must be >= 1")
-    _divides(tp, world, tp_key, _WORLD)
+    _divides(tp, world, tp_key, _WORLD if cfg.trainer.v1.trainer_mode != "separate_async" else
+             "rollout pool size (actor_rollout_ref.rollout.nnodes * n_gpus_per_node)")
     if model is not None:
         _divides(tp, model.num_attention_heads, tp_key, "the model's num_attention_heads")
     rollout_dp = world // tp

@@ -21,10 +21,20 @@ from typing import List
 from ballast.trainer.config.errors import ConfigError
 
 MODE_KEY = "trainer.v1.trainer_mode"
+ASYNC_MODES = ("colocate_async", "separate_async")
 AHEAD_KEY = "trainer.v1.colocate_async.num_warmup_batches"
 
 
-def warmup_steps(value, train_batch_size: int, gen_batch_size) -> int:
+def ahead_key(mode: str) -> str:
+    return f"trainer.v1.{mode}.num_warmup_batches"
+
+
+def split_pools(cfg) -> bool:
+    """Whether the rollout runs on a resource pool of its own (`separate_async`)."""
+    return cfg.trainer.v1.trainer_mode == "separate_async"
+
+
+def warmup_steps(value, train_batch_size: int, gen_batch_size, key: str = AHEAD_KEY) -> int:
     """How many steps' generation batches `num_warmup_batches=value` generates ahead.
 
     verl counts the prefetch window in prompts, `value` x `data.train_batch_size`, rounded down to whole
@@ -35,26 +45,27 @@ def warmup_steps(value, train_batch_size: int, gen_batch_size) -> int:
     try:
         number = float(value)
     except (TypeError, ValueError):
-        raise ConfigError(f"{AHEAD_KEY}={value!r} must be a number of batches >= 0") from None
+        raise ConfigError(f"{key}={value!r} must be a number of batches >= 0") from None
     if not number >= 0 or number == float("inf"):
-        raise ConfigError(f"{AHEAD_KEY}={value!r} must be a number of batches >= 0")
+        raise ConfigError(f"{key}={value!r} must be a number of batches >= 0")
     gen = int(gen_batch_size or train_batch_size)
     return int(round(number * int(train_batch_size), 9) // gen)  # round: 0.29 x 100 is 28.999...
 
 
 def staleness_bound(cfg) -> int:
     """k: how many actor updates old a trained sample can be (0: synchronous)."""
-    v1 = cfg.trainer.v1
-    if v1.trainer_mode == "colocate_async":
-        return warmup_steps(v1.colocate_async.num_warmup_batches, cfg.data.train_batch_size, cfg.data.gen_batch_size)
+    mode = cfg.trainer.v1.trainer_mode
+    if mode in ASYNC_MODES:
+        return warmup_steps(getattr(cfg.trainer.v1, mode).num_warmup_batches, cfg.data.train_batch_size,
+                            cfg.data.gen_batch_size, ahead_key(mode))
     return 0
 
 
-def _rounding_line(value, ahead: int, train_batch_size, gen_batch_size) -> List[str]:
+def _rounding_line(key: str, value, ahead: int, train_batch_size, gen_batch_size) -> List[str]:
     if float(value) == ahead:
         return []
     gen = gen_batch_size or train_batch_size
-    return [f"[ballast] {AHEAD_KEY}={value:g}: {value:g} x data.train_batch_size={train_batch_size} prompts hold "
+    return [f"[ballast] {key}={value:g}: {value:g} x data.train_batch_size={train_batch_size} prompts hold "
             f"{ahead} whole generation batch(es) of {gen} prompts, so {ahead} step(s) are generated ahead"]
 
 
@@ -62,15 +73,17 @@ def apply_off_policy_defaults(plain: dict) -> List[str]:
     """Before the config is typed: turn on the correction stale samples need when the user chose none
     (module docstring). Returns the lines saying what was set (empty when nothing was)."""
     v1 = plain.get("trainer", {}).get("v1", {})
-    if v1.get("trainer_mode") != "colocate_async":
+    mode = v1.get("trainer_mode")
+    if mode not in ASYNC_MODES:
         return []
     data = plain.get("data", {})
-    value = v1.get("colocate_async", {}).get("num_warmup_batches", 0)
+    value = (v1.get(mode) or {}).get("num_warmup_batches", 0)
     try:
         ahead = warmup_steps(value, int(data.get("train_batch_size")), data.get("gen_batch_size"))
+        lines = _rounding_line(ahead_key(mode), float(value), ahead, data.get("train_batch_size"),
+                               data.get("gen_batch_size"))
     except (TypeError, ValueError, ConfigError):
         return []  # the schema and the start-up rules name the bad value
-    lines = _rounding_line(float(value), ahead, data.get("train_batch_size"), data.get("gen_batch_size"))
     if ahead <= 0:
         return lines
     rc = plain.setdefault("algorithm", {}).setdefault("rollout_correction", {})
@@ -79,22 +92,42 @@ def apply_off_policy_defaults(plain: dict) -> List[str]:
     rc["bypass_mode"] = True
     rollout = plain.setdefault("actor_rollout_ref", {}).setdefault("rollout", {})
     rollout["calculate_log_probs"] = True
-    return lines + [f"[ballast] {MODE_KEY}=colocate_async trains on samples up to {ahead} update(s) old: rollout "
+    return lines + [f"[ballast] {MODE_KEY}={mode} trains on samples up to {ahead} update(s) old: rollout "
                     "correction is on by default (algorithm.rollout_correction.bypass_mode=true, actor_rollout_ref."
                     "rollout.calculate_log_probs=true; set algorithm.rollout_correction.* to choose another)"]
 
 
 def check_off_policy(cfg) -> None:
     """Start-up rules of the trainer modes; ConfigError names the keys."""
-    v1 = cfg.trainer.v1
-    if v1.trainer_mode == "separate_async":
-        raise ConfigError(f"{MODE_KEY}=separate_async (rollout and trainer on separate resource pools) is not "
-                          f"supported yet: use {MODE_KEY}=colocate_async, which overlaps on the same workers")
+    mode = cfg.trainer.v1.trainer_mode
+    if mode == "separate_async":
+        check_split_pools(cfg)
+    elif not cfg.actor_rollout_ref.hybrid_engine:
+        raise ConfigError(f"actor_rollout_ref.hybrid_engine=False with {MODE_KEY}={mode}: the actor and the rollout "
+                          f"share one process unless {MODE_KEY}=separate_async puts the rollout on a pool of its own")
     k = staleness_bound(cfg)
     if k == 0:
         return
     rc = cfg.algorithm.rollout_correction
     if not (rc.bypass_mode or rc.rollout_is or rc.rollout_rs):
-        raise ConfigError(f"{MODE_KEY}=colocate_async with {AHEAD_KEY}={k} trains on samples up to {k} update(s) "
+        raise ConfigError(f"{MODE_KEY}={mode} with {ahead_key(mode)}={k} trains on samples up to {k} update(s) "
                           "old, which needs a rollout correction: set algorithm.rollout_correction.bypass_mode=true "
                           "or a rollout_is / rollout_rs mode (the loader sets bypass_mode when none is named)")
+
+
+def check_split_pools(cfg) -> None:
+    """verl's rules for `separate_async`, with the keys they name."""
+    arr, sep = cfg.actor_rollout_ref, cfg.trainer.v1.separate_async
+    if arr.hybrid_engine:
+        raise ConfigError(f"{MODE_KEY}=separate_async needs actor_rollout_ref.hybrid_engine=false: the rollout runs only "
+                          "on its own pool (rollout replicas beside the trainer's are not built)")
+    r = arr.rollout
+    for key, value in (("nnodes", r.nnodes), ("n_gpus_per_node", r.n_gpus_per_node)):
+        if value <= 0:
+            raise ConfigError(f"actor_rollout_ref.rollout.{key}={value} must be > 0 with {MODE_KEY}=separate_async "
+                              "(the size of the rollout's own resource pool)")
+    if cfg.data.train_batch_size != sep.parameter_sync_step * arr.actor.ppo_mini_batch_size:
+        raise ConfigError(
+            f"data.train_batch_size={cfg.data.train_batch_size} must equal trainer.v1.separate_async.parameter_sync_step="
+            f"{sep.parameter_sync_step} x actor_rollout_ref.actor.ppo_mini_batch_size={arr.actor.ppo_mini_batch_size} "
+            "(verl's rule: the weights reach the rollout pool once per training batch)")

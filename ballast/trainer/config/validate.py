@@ -65,9 +65,6 @@ def _check_choices(cfg: BallastConfig) -> None:
         if optim.warmup_style is not None:
             # warmup_style overrides it, so the engine never sees (and checks) this one.
             one_of(f"{prefix}.lr_scheduler_type", optim.lr_scheduler_type, LR_SCHEDULES)
-    if not arr.hybrid_engine:
-        raise ConfigError("actor_rollout_ref.hybrid_engine=False is not supported (verl's PPO trainer requires "
-                          "True as well): the actor and rollout always share one process")
     if arr.rollout.multi_turn.enable and arr.rollout.mode != "async":
         raise ConfigError("actor_rollout_ref.rollout.multi_turn.enable=True needs actor_rollout_ref.rollout.mode=async "
                           "(tool-calling conversations run as agent loops on request-level rollout)")

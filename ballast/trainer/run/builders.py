@@ -22,6 +22,7 @@ from ballast.trainer.algorithms.policy_loss import ActorLossConfig, CriticLossCo
 from ballast.trainer.config import BallastConfig, DerivedSizes, role_fsdp
 from ballast.trainer.config.keys import build
 from ballast.trainer.config.loader import ConfigError
+from ballast.trainer.config.off_policy import split_pools
 from ballast.trainer.config.schema import OptimSection
 from ballast.trainer.step.reward import OverlongBuffer
 from ballast.trainer.step.rollout_correction import loss_correction, rollout_correction_settings
@@ -38,16 +39,24 @@ ROLLOUT = "actor_rollout_ref.rollout"
 
 @dataclass(frozen=True)
 class WorkerSpecs:
-    """Everything the worker groups are constructed from; `critic` is None without a critic."""
+    """Everything the worker groups are constructed from; `critic` is None without a critic, `rollout`
+    None unless the rollout has a pool of its own (then `actor_rollout_ref` has no rollout role)."""
 
     actor_rollout_ref: ActorRolloutRefSpec
     critic: Optional[CriticSpec]
+    rollout: Optional[ActorRolloutRefSpec] = None
 
 
 def worker_specs(cfg: BallastConfig, sizes: DerivedSizes, total_steps: int) -> WorkerSpecs:
     """Every worker spec, or the first `ConfigError` (naming a config key) met on the way."""
-    return WorkerSpecs(actor_rollout_ref_spec(cfg, sizes, total_steps),
-                       critic_spec(cfg, sizes, total_steps) if sizes.critic is not None else None)
+    trainer = actor_rollout_ref_spec(cfg, sizes, total_steps)
+    critic = critic_spec(cfg, sizes, total_steps) if sizes.critic is not None else None
+    if not split_pools(cfg):
+        return WorkerSpecs(trainer, critic)
+    # The rollout pool gets merged full weights through the object store (an adapter is merged in).
+    rollout = dataclasses.replace(trainer, actor=None, actor_train=None, ref=None, ref_in_actor=False,
+                                  rollout=rollout_config(cfg, None))
+    return WorkerSpecs(dataclasses.replace(trainer, rollout=None, rollout_val_sampling=None, agent=None), critic, rollout)
 
 
 def engine_optim(optim: OptimSection, total_steps: int, prefix: str = "optim") -> OptimConfig:
@@ -139,9 +148,10 @@ def rollout_config(cfg: BallastConfig, lora: Optional[LoraSpec] = None) -> Rollo
 
 
 def weight_sync_spec(cfg: BallastConfig, lora: LoraSpec) -> WeightSyncSpec:
-    """`rollout.layered_summon` and the weight-sync check (on by default for LoRA runs)."""
+    """`rollout.layered_summon` and the weight-sync check (on by default for LoRA runs and for a rollout
+    pool of its own, where the weights cross processes and nodes)."""
     r = cfg.actor_rollout_ref.rollout
-    check = r.weight_sync_check if r.weight_sync_check is not None else lora.enabled
+    check = r.weight_sync_check if r.weight_sync_check is not None else (lora.enabled or split_pools(cfg))
     if r.weight_sync_check_tolerance is not None and not r.weight_sync_check_tolerance > 0:
         raise ConfigError(f"{ROLLOUT}.weight_sync_check_tolerance={r.weight_sync_check_tolerance} must be > 0")
     return WeightSyncSpec(layered=r.layered_summon, check=check, check_tolerance=r.weight_sync_check_tolerance)

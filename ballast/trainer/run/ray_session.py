@@ -138,7 +138,10 @@ def _start_local(cfg: BallastConfig, quiet: dict) -> RaySession:
     import ray
 
     r, t = cfg.ray_init, cfg.trainer
-    num_cpus = r.num_cpus or max(os.cpu_count() or 1, t.nnodes * t.n_gpus_per_node)
+    processes = t.nnodes * t.n_gpus_per_node
+    if t.v1.trainer_mode == "separate_async":  # the rollout pool's processes come on top
+        processes += cfg.actor_rollout_ref.rollout.nnodes * cfg.actor_rollout_ref.rollout.n_gpus_per_node
+    num_cpus = r.num_cpus or max(os.cpu_count() or 1, processes)
     temp_dir = tempfile.mkdtemp(prefix="ray_", dir=ray_temp_root())
     session = RaySession(connected=True, temp_dir=temp_dir, watchdog=_start_watchdog(temp_dir))
     print(f"ballast: local Ray session in {temp_dir} (removed at exit)", flush=True)

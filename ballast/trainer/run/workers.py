@@ -1,5 +1,6 @@
 """Creating the worker groups of a run: one resource pool, the colocated actor/rollout/ref group and,
-for PPO, a critic group sharing the same devices."""
+for PPO, a critic group sharing the same devices; with `trainer.v1.trainer_mode=separate_async` a
+second pool holds a rollout-only group, and the first group trains without a rollout role."""
 
 from __future__ import annotations
 
@@ -47,16 +48,26 @@ class Workers:
     critic: Optional[RayWorkerGroup]
     # The planning objective of each (role, backward) phase, from how its engine synchronises.
     objectives: Dict[tuple, PlanObjective] = field(default_factory=dict)
+    # separate_async: the rollout-only group on a pool of its own (None: the rollout is colocated)
+    rollout: Optional[RayWorkerGroup] = None
+    rollout_pool: Optional[ResourcePool] = None
 
     @property
     def world_size(self) -> int:
         return self.actor_rollout.world_size
 
+    @property
+    def generator(self) -> RayWorkerGroup:
+        """The group that generates: the rollout pool's, or the colocated one."""
+        return self.rollout if self.rollout is not None else self.actor_rollout
+
     def shutdown(self) -> None:
-        for group in (self.critic, self.actor_rollout):
+        for group in (self.rollout, self.critic, self.actor_rollout):
             if group is not None:
                 group.kill()
-        self.pool.remove()
+        for pool in (self.rollout_pool, self.pool):
+            if pool is not None:
+                pool.remove()
 
 
 def create_workers(cfg: BallastConfig, sizes: DerivedSizes, specs: WorkerSpecs) -> Workers:
@@ -81,12 +92,24 @@ def create_workers(cfg: BallastConfig, sizes: DerivedSizes, specs: WorkerSpecs) 
     objectives = phase_objectives({k: v for k, v in engines.items() if v is not None}, pool.world_size,
                                   "cuda" if use_gpu else "cpu")
     workers = Workers(pool, actor, critic, objectives)
+    if specs.rollout is not None:
+        r = cfg.actor_rollout_ref.rollout
+        workers.rollout_pool = ResourcePool([r.n_gpus_per_node] * r.nnodes, use_gpu=use_gpu, cpus_per_process=1.0,
+                                            name=f"ballast_rollout_{os.getpid()}", ready_timeout_s=cfg.ray_init.timeout_s)
+        workers.rollout = RayWorkerGroup(workers.rollout_pool, ActorRolloutRefWorker, init_args=(specs.rollout,),
+                                         name="rollout", env=env, timeout_s=t.worker_timeout_s, log_dir=logs)
     # Each group forms its own torch.distributed world; initialise them one after the other.
     report = weight_sync_report(actor.init_model())
     if report:
         print(report, flush=True)
     if critic is not None:
         critic.init_model()
+    if workers.rollout is not None:
+        workers.rollout.init_model()
+        print(f"[ballast] separate_async: {actor.world_size} trainer and {workers.rollout.world_size} rollout "
+              "worker(s) on separate pools; the weights reach the rollout through the object store after every "
+              "update" + (" (merged with the LoRA adapter)" if specs.actor_rollout_ref.actor.lora.enabled else ""),
+              flush=True)
     return workers
 
 

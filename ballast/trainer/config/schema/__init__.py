@@ -31,7 +31,8 @@ from ballast.trainer.config.schema.trainer import RayInitConfig, ResumeMode, Tra
 @dataclass(frozen=True)
 class ActorRolloutRefConfig:
     hybrid_engine: bool
-    """Actor and rollout share one process; must be true (as verl's PPO trainer requires)."""
+    """Actor and rollout share one process; false only with `trainer.v1.trainer_mode=separate_async`
+    (the rollout runs on its own pool), as verl's V1 trainer requires."""
     model: ModelConfig
     """The policy model (the reference model loads the same)."""
     actor: ActorConfig

@@ -66,6 +66,10 @@ class RolloutSection:
     """Release vLLM's KV cache and weights during training on GPU (sleep/wake up)."""
     tensor_model_parallel_size: int
     """vLLM tensor-parallel group size; the rollout data-parallel size is world size / this."""
+    nnodes: int
+    """Nodes of the separate rollout pool (`trainer.v1.trainer_mode=separate_async`; 0 otherwise)."""
+    n_gpus_per_node: int
+    """Rollout workers per node of the separate rollout pool (on CPU: worker processes)."""
     max_num_batched_tokens: int
     """vLLM's token budget per scheduler step."""
     max_model_len: Optional[int]

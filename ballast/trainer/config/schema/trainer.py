@@ -23,21 +23,22 @@ class ColocateAsyncConfig:
 @dataclass(frozen=True)
 class SeparateAsyncConfig:
     num_warmup_batches: float
-    """Batches generated ahead on the separate rollout pool (verl's key; the mode is not built yet)."""
+    """Batches generated ahead on the separate rollout pool while the trainer trains: the staleness bound."""
     parameter_sync_step: int
-    """Accepted for verl compatibility: trainer steps between weight syncs into the separate rollout
-    pool of `trainer_mode=separate_async`, which is refused at start-up until it is built."""
+    """verl's mini-batch updates between weight syncs into the rollout pool; Ballast syncs once per step,
+    so it must equal `data.train_batch_size / actor_rollout_ref.actor.ppo_mini_batch_size` (verl's rule)."""
 
 
 @dataclass(frozen=True)
 class TrainerV1Config:
     trainer_mode: TrainerMode
-    """`sync` (every step generates with the current weights) or `colocate_async` (the rollouts of the
-    next `num_warmup_batches` steps are generated ahead, on the same workers, while this one trains)."""
+    """`sync` (every step generates with the current weights), `colocate_async` (the rollouts of the
+    next `num_warmup_batches` steps are generated ahead, on the same workers, while this one trains) or
+    `separate_async` (rollout workers on a pool of their own generate while the trainer trains)."""
     colocate_async: ColocateAsyncConfig
     """Settings of `trainer_mode=colocate_async`."""
     separate_async: SeparateAsyncConfig
-    """Settings of `trainer_mode=separate_async` (verl's keys; refused at start-up until it is built)."""
+    """Settings of `trainer_mode=separate_async`."""
 
 
 @dataclass(frozen=True)

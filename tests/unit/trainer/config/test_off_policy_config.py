@@ -54,9 +54,55 @@ def test_colocate_async_rules_name_the_keys(overrides, message):
         rollout_correction_settings(cfg)
 
 
-def test_separate_pools_are_refused_naming_the_mode():
-    with pytest.raises(ConfigError, match="separate_async .* is not supported yet"):
-        check_rules(_load("trainer.v1.trainer_mode=separate_async"))
+SPLIT = ["trainer.v1.trainer_mode=separate_async", "actor_rollout_ref.hybrid_engine=False",
+         "actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=2",
+         "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+         "trainer.v1.separate_async.parameter_sync_step=4"]
+
+
+def test_separate_pools_size_the_rollout_from_its_own_pool(capsys):
+    from ballast.trainer.config import derive_sizes
+    from ballast.trainer.run.builders import worker_specs
+
+    cfg = _load(*SPLIT, "trainer.n_gpus_per_node=4", "trainer.v1.separate_async.num_warmup_batches=1",
+                "actor_rollout_ref.actor.use_dynamic_bsz=True", "actor_rollout_ref.rollout.n=8")
+    check_rules(cfg)
+    assert staleness_bound(cfg) == 1 and cfg.algorithm.rollout_correction.bypass_mode  # stale: corrected
+    assert "separate_async trains on samples up to 1 update(s) old" in capsys.readouterr().out
+    sizes = derive_sizes(cfg)
+    assert sizes.world_size == 4 and sizes.rollout_dp == 2 and sizes.rollout_samples_per_rank == 8 * 8 // 2
+    specs = worker_specs(cfg, sizes, total_steps=10)
+    trainer, rollout = specs.actor_rollout_ref, specs.rollout
+    assert trainer.actor is not None and trainer.rollout is None and trainer.agent is None
+    assert rollout.actor is None and rollout.ref is None and rollout.rollout is not None
+    assert trainer.weight_sync.check and rollout.weight_sync.check  # on by default: weights cross processes
+
+
+def test_zero_batches_ahead_on_separate_pools_needs_no_correction():
+    cfg = _load(*SPLIT, "trainer.v1.separate_async.num_warmup_batches=0")
+    check_rules(cfg)
+    assert staleness_bound(cfg) == 0 and not cfg.algorithm.rollout_correction.bypass_mode
+
+
+@pytest.mark.parametrize("change, message", [
+    ("actor_rollout_ref.hybrid_engine=True", "separate_async needs actor_rollout_ref.hybrid_engine=false"),
+    ("actor_rollout_ref.rollout.nnodes=0", "rollout.nnodes=0 must be > 0 with trainer.v1.trainer_mode=separate_async"),
+    ("trainer.v1.separate_async.parameter_sync_step=2",
+     "train_batch_size=8 must equal trainer.v1.separate_async.parameter_sync_step=2 x .*ppo_mini_batch_size=2"),
+    ("actor_rollout_ref.rollout.tensor_model_parallel_size=3", "not divisible by .*tensor_model_parallel_size=3"),
+])
+def test_separate_pools_rules_name_the_keys(change, message):
+    from ballast.trainer.config import derive_sizes
+
+    cfg = _load(*SPLIT, change)
+    with pytest.raises(ConfigError, match=message):
+        check_rules(cfg)
+        derive_sizes(cfg)
+
+
+def test_split_resources_without_separate_async_are_refused():
+    with pytest.raises(ConfigError, match="hybrid_engine=False with trainer.v1.trainer_mode=colocate_async"):
+        check_rules(_load("trainer.v1.trainer_mode=colocate_async", "actor_rollout_ref.hybrid_engine=False"))
 
 
 def test_an_unknown_mode_is_refused_by_the_loader():

@@ -12,6 +12,7 @@ from ballast.models import load_tokenizer, tiny_model_dir
 from ballast.trainer.config import load_config
 from ballast.trainer.run.data import DataExhausted, RunData
 from ballast.trainer.ray_trainer import RayPPOTrainer
+from ballast.trainer.step.rollout_weights import RolloutWeights
 from ballast.trainer.step.rollout_pipeline import Rollout, RolloutPipeline
 
 
@@ -88,6 +89,7 @@ def _trainer(steps_with_data, save_freq, total_steps=10, ahead=0):
     trainer.data = SimpleNamespace(next_prompts=next_prompts, val=None)
     trainer.tracker, trainer._pending_metrics = _Tracker(), {}
     trainer.rollouts = RolloutPipeline(next_prompts, lambda prompts: Rollout(prompts, 0, None), ahead, total_steps)
+    trainer.rollout_weights = RolloutWeights(SimpleNamespace(rollout=None))  # colocated: nothing to export
 
     def train_step(step):
         rollout, _ = trainer.rollouts.take(step)

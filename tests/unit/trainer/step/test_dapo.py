@@ -14,6 +14,7 @@ from ballast.trainer.run.data import DataExhausted
 from ballast.trainer.step.dynamic_sampling import filter_metric_values, informative_groups
 from ballast.trainer.ray_trainer import DynamicSamplingError, RayPPOTrainer
 from ballast.trainer.step.reward import OverlongBuffer, RewardManager
+from ballast.trainer.step.rollout_weights import RolloutWeights
 from ballast.trainer.step.rollout_pipeline import (STALENESS, PendingRollout, load_rollouts_ahead,
                                                    save_rollouts_ahead, staleness_metrics)
 
@@ -87,7 +88,9 @@ def _trainer(overrides, rewards_per_call, make_prompts=None, rollout=None):
 
     trainer.cfg = cfg
     trainer._weights_version = 0
-    trainer.workers = SimpleNamespace(actor_rollout=SimpleNamespace(generate_sequences=generate_sequences))
+    rollout_group = SimpleNamespace(generate_sequences=generate_sequences)
+    trainer.workers = SimpleNamespace(actor_rollout=rollout_group, generator=rollout_group, rollout=None)
+    trainer.rollout_weights = RolloutWeights(trainer.workers)
     trainer.reward = reward
     trainer.data = SimpleNamespace(next_prompts=next_prompts, pad_token_id=PAD)
     return trainer, calls
