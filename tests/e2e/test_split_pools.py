@@ -46,7 +46,9 @@ def test_split_pools_sample_with_the_trainers_weights(session, tmp_path):
     rows = _rows(os.path.join(tmp_path, "k1"))
     assert [r[STALENESS] for r in rows] == [0.0, 1.0, 1.0, 1.0]
     assert rows[0]["rollout_corr/k3_kl"] < 1e-6 < min(r["rollout_corr/k3_kl"] for r in rows[1:])  # stale from step 2
-    assert all(r["rollout/sync_check/mean_abs_diff"] < 1e-5 for r in rows)
+    # step 2's batch was launched with step 1's, before any update: no new weights went with it
+    checked = [r.get("rollout/sync_check/mean_abs_diff") for r in rows]
+    assert [c is not None for c in checked] == [True, False, True, True] and max(c or 0 for c in checked) < 1e-5
 
 
 def test_a_transfer_that_loads_nothing_stops_the_run_naming_the_cause(tiny_task, tmp_path):
