@@ -8,7 +8,9 @@ Two measurements, each a set of whole `python -m ballast.trainer.main --config-n
   meanwhile). Sync (`trainer.v1.trainer_mode=sync`) and each `--ahead` k (`colocate_async`,
   `num_warmup_batches=k`) run the same prompts, steps and seeds, interleaved `--repeats` times so a
   loaded machine affects them alike. Reported: the mean `timing_s/step` over the steps after
-  `--warmup`, its phases, the idle ratios, and the ratio of each k to sync.
+  `--warmup`, its phases, the idle ratios, and the ratio of each k to sync. `--split-ahead K,...` adds
+  `separate_async` variants (`split_kK`): one trainer and one rollout worker on pools of their own
+  instead of two colocated workers, the same two cores.
 * `--case learn` (learning): whole quickstart runs, sync vs k for every seed in `--seeds`, no reward
   latency; held-out (greedy) score at the start and at the end, and the mean training score of the
   last 10 steps.
@@ -47,10 +49,19 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     time.sleep(_PER_SAMPLE_S)  # a verifier service's round trip: the driver waits, its CPU is idle
     return default_compute_score(data_source, solution_str, ground_truth, extra_info)
 """
-PHASES = ("step", "wait_rollout", "gen", "gen_workers", "reward", "update_actor", "old_log_prob", "update_weights")
+PHASES = ("step", "wait_rollout", "gen", "gen_workers", "reward", "update_actor", "old_log_prob", "update_weights",
+          "export_weights")
 
 
-def variant_overrides(ahead: int) -> List[str]:
+QUICKSTART_MINI_BATCH = 8  # actor_rollout_ref.actor.ppo_mini_batch_size in configs/quickstart.yaml
+
+
+def variant_overrides(ahead: int, split: bool = False, train_batch_size: int = 16) -> List[str]:
+    if split:  # the quickstart's two cores: one trainer worker, one rollout worker
+        return ["trainer.v1.trainer_mode=separate_async", f"trainer.v1.separate_async.num_warmup_batches={ahead}",
+                f"trainer.v1.separate_async.parameter_sync_step={train_batch_size // QUICKSTART_MINI_BATCH}",
+                "actor_rollout_ref.hybrid_engine=false", "trainer.n_gpus_per_node=1",
+                "actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1"]
     if ahead == 0:
         return ["trainer.v1.trainer_mode=sync"]
     return ["trainer.v1.trainer_mode=colocate_async", f"trainer.v1.colocate_async.num_warmup_batches={ahead}"]
@@ -80,25 +91,27 @@ def io_case(args, log_dir: str) -> dict:
     common = [f"custom_reward_function.path={reward}", f"trainer.total_training_steps={args.warmup + args.steps}",
               "trainer.test_freq=-1", "trainer.val_before_train=false", f"data.train_batch_size={args.train_batch_size}",
               f"actor_rollout_ref.rollout.n={args.n}", *args.override]
-    aheads = [0] + args.ahead
-    runs: Dict[int, List[dict]] = {k: [] for k in aheads}
+    variants = {f"k{k}": variant_overrides(k) for k in [0] + args.ahead}
+    variants.update({f"split_k{k}": variant_overrides(k, True, args.train_batch_size) for k in args.split_ahead})
+    runs: Dict[str, List[dict]] = {name: [] for name in variants}
     for r in range(args.repeats):
-        for k in aheads:
-            rows = [row for row in run(f"io_k{k}_r{r}", common + variant_overrides(k), log_dir, env)
+        for name, overrides in variants.items():
+            rows = [row for row in run(f"io_{name}_r{r}", common + overrides, log_dir, env)
                     if "timing_s/step" in row][args.warmup:]
-            runs[k].append({p: statistics.mean(row.get(f"timing_s/{p}", 0.0) for row in rows) for p in PHASES}
+            runs[name].append({p: statistics.mean(row.get(f"timing_s/{p}", 0.0) for row in rows) for p in PHASES}
                            | {"response_length": statistics.mean(row["response_length/mean"] for row in rows)}
                            | {"trainer_idle_ratio": statistics.mean(row["perf/trainer_idle_ratio"] for row in rows),
                               "staleness_max": max(row.get("training/off_policy/trajectory_staleness/max", 0.0)
                                                    for row in rows)})
     summary = {}
-    for k, reps in runs.items():
-        summary[f"k{k}"] = {"s_per_step": statistics.median(x["step"] for x in reps), "repeats": reps}
+    for name, reps in runs.items():
+        summary[name] = {"s_per_step": statistics.median(x["step"] for x in reps), "repeats": reps}
     base = summary["k0"]["s_per_step"]
-    for k in args.ahead:
-        summary[f"k{k}"]["ratio_vs_sync"] = summary[f"k{k}"]["s_per_step"] / base
+    for name in variants:
+        if name != "k0":
+            summary[name]["ratio_vs_sync"] = summary[name]["s_per_step"] / base
     # the model of docs/off_policy.md on the synchronous runs' own phase times, beside the measurement
-    summary["k0"]["model"] = predict([{f"timing_s/{p}": rep[p] for p in PHASES} for rep in runs[0]])
+    summary["k0"]["model"] = predict([{f"timing_s/{p}": rep[p] for p in PHASES} for rep in runs["k0"]])
     return {"work": {"config": "quickstart", "train_batch_size": args.train_batch_size, "n": args.n,
                      "reward_latency_s_per_batch": args.latency_s, "steps_measured": args.steps,
                      "warmup_steps": args.warmup, "overrides": args.override}, "variants": summary}
@@ -156,6 +169,8 @@ def main() -> None:
                         "which makes every response max_response_length tokens: the same tokens in both modes)")
     p.add_argument("--ahead", type=lambda s: [int(x) for x in s.split(",")], default=[1],
                    help="batches generated ahead (comma list), each compared with sync")
+    p.add_argument("--split-ahead", type=lambda s: [int(x) for x in s.split(",")], default=[],
+                   help="io: also run separate_async (split pools) with these k")
     p.add_argument("--latency-s", type=float, default=1.0, help="io: reward latency per batch")
     p.add_argument("--train-batch-size", type=int, default=16)
     p.add_argument("--n", type=int, default=8)
