@@ -117,14 +117,20 @@ class SyncCheck:
                 self._base = engine.probe_log_probs(list(self.tokens))
         served = backend.prompt_log_probs([list(self.tokens)])[0]
         result = compare(served, trained, self._base if engine.adapter is not None else None)
-        message = diagnose(result, self.tolerance, what)
-        failed = torch.tensor([0.0 if message is None else 1.0])
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-        if failed.item():
-            raise WeightSyncError(message or f"weight sync check failed on another worker after syncing {what} "
-                                             "(see that worker's error)")
-        return result.metrics()
+        return agree(result, self.tolerance, what)
+
+
+def agree(result: CheckResult, tolerance: float, what: str) -> dict[str, float]:
+    """Agree this rank's verdict over the default process group (one MAX all-reduce) and raise
+    `WeightSyncError` on every rank when any rank failed; this rank's metrics otherwise."""
+    message = diagnose(result, tolerance, what)
+    failed = torch.tensor([0.0 if message is None else 1.0])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if failed.item():
+        raise WeightSyncError(message or f"weight sync check failed on another worker after syncing {what} "
+                                         "(see that worker's error)")
+    return result.metrics()
 
 
 def check_against_trainer(backend, tokens: tuple[int, ...], trained: torch.Tensor, tolerance: float,
@@ -133,12 +139,4 @@ def check_against_trainer(backend, tokens: tuple[int, ...], trained: torch.Tenso
     the weights (`trained`); the rollout engine scores it after loading them. The verdict is agreed over
     the rollout pool's process group, as `SyncCheck.run` does over the colocated group."""
     served = backend.prompt_log_probs([list(tokens)])[0]
-    result = compare(served, trained, None)
-    message = diagnose(result, tolerance, what)
-    failed = torch.tensor([0.0 if message is None else 1.0])
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-    if failed.item():
-        raise WeightSyncError(message or f"weight sync check failed on another rollout worker after syncing {what} "
-                                         "(see that worker's error)")
-    return result.metrics()
+    return agree(compare(served, trained, None), tolerance, what)
