@@ -159,6 +159,8 @@ def check_rollout_gpu_memory_at_start(cfg: BallastConfig) -> Optional[RolloutMem
     without GPUs cannot know the devices' size: the check is skipped and vLLM's own error remains)."""
     if cfg.actor_rollout_ref.rollout.name != "vllm" or cfg.trainer.device == "cpu":
         return None
+    if cfg.trainer.v1.trainer_mode == "separate_async":  # vLLM has devices of its own: nothing shares them
+        return None
     total = gpu_total_bytes()
     params = checkpoint_param_count(cfg.actor_rollout_ref.model.path) if total else None
     if not total or not params:
