@@ -35,18 +35,20 @@ class StoredWeights:
     trainer_dtype: str = "float32"
 
 
-def put_buckets(named_tensors: Iterable[Tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES
-                ) -> Tuple[List[ray.ObjectRef], int, int]:
+def put_buckets(named_tensors: Iterable[Tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                dtype: Optional[torch.dtype] = None) -> Tuple[List[ray.ObjectRef], int, int]:
     """Put (name, tensor) pairs into the object store in buckets of at least `bucket_bytes` (the last may
-    be smaller; a tensor larger than a bucket gets one of its own). Returns (references, tensors, bytes).
-    Tensors are copied to contiguous CPU memory first: the caller's may be views of live parameters."""
+    be smaller; a tensor larger than a bucket gets one of its own), floating-point tensors cast to
+    `dtype` when given. Returns (references, tensors, bytes). Tensors are copied to contiguous CPU
+    memory first: the caller's may be views of live parameters."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0")
     refs: List[ray.ObjectRef] = []
     bucket: List[Tuple[str, torch.Tensor]] = []
     size = count = total = 0
     for name, tensor in named_tensors:
-        cpu = tensor.detach().to("cpu", copy=True).contiguous()
+        cast = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+        cpu = tensor.detach().to("cpu", dtype=cast, copy=True).contiguous()
         bucket.append((name, cpu))
         nbytes = cpu.numel() * cpu.element_size()
         size, count, total = size + nbytes, count + 1, total + nbytes

@@ -223,7 +223,7 @@ class RayPPOTrainer:
         if self.rollouts.ahead:
             metrics.update(staleness_metrics(rollout, step))
         metrics.update(rollout_probs_diff_metrics(batch, actor_key))
-        metrics.update(throughput_metrics(batch, timing["step"], self.workers.world_size))
+        metrics.update(throughput_metrics(batch, timing["step"], self.workers.num_devices))
         metrics["training/global_step"] = float(step)
         metrics["training/epoch"] = float(self.data.epoch)
         return metrics
@@ -242,8 +242,7 @@ class RayPPOTrainer:
         without waiting (main thread: this fixes the weights that generate them, see RolloutPipeline)."""
         prompts = self.data.next_prompts(step)
         batch = prompts.repeat(self.cfg.actor_rollout_ref.rollout.n, interleave=True)
-        future = self.workers.generator.submit("generate_sequences", batch, call_index=step,
-                                               **self.rollout_weights.generate_kwargs())
+        future = self.rollout_weights.call(self.workers.generator.submit, "generate_sequences", batch, call_index=step)
         return PendingRollout(step, self._weights_version, future, time.perf_counter())
 
     def finish_rollout(self, pending: PendingRollout) -> Rollout:
@@ -284,8 +283,8 @@ class RayPPOTrainer:
                                     "batches are not trained on") from None
             with _timer(rollout.timing, "gen"):
                 more = prompts.repeat(self.cfg.actor_rollout_ref.rollout.n, interleave=True)
-                out = self.workers.generator.generate_sequences(
-                    more, call_index=step + num_gen * EXTRA_GENERATION_CALL_STRIDE, **self.rollout_weights.generate_kwargs())
+                out = self.rollout_weights.call(self.workers.generator.generate_sequences, more,
+                                                call_index=step + num_gen * EXTRA_GENERATION_CALL_STRIDE)
                 batch = self._generated(out, rollout.timing, rollout.metrics)
             with _timer(rollout.timing, "reward"):
                 extras = self._score(batch, step)
@@ -375,9 +374,9 @@ class RayPPOTrainer:
         val = self.data.val.repeat(self.cfg.actor_rollout_ref.rollout.val_kwargs.n, interleave=True)
         outputs = []
         for i, chunk in enumerate(val.split(self.data.val_batch_size or len(val))):
-            outputs.append(self.workers.generator.generate_sequences(
-                chunk, call_index=validation_call_index(self.global_step, i), validate=True,
-                **self.rollout_weights.generate_kwargs()).batch)
+            outputs.append(self.rollout_weights.call(self.workers.generator.generate_sequences, chunk,
+                                                     call_index=validation_call_index(self.global_step, i),
+                                                     validate=True).batch)
         out = Batch.concat(outputs) if len(outputs) > 1 else outputs[0]
         scores, extras = self.reward(out)
         per_sample = scores.sum(-1).numpy()
@@ -409,7 +408,7 @@ class RayPPOTrainer:
                 self.workers.critic.save_checkpoint(path)
             save_rollouts_ahead(path, ahead)
 
-        ahead = self.rollouts.ahead_rollouts()  # finished first: they may still draw prompts (dynamic sampling)
+        ahead = self.rollouts.ahead_rollouts(self.global_step + 1)  # waits for their generation and scoring
         state = {"dataloader": self.data.state_dict(), "kl_coef": self.kl_ctrl.value, "rng": rng_state(),
                  "nonfinite_in_a_row": self._nonfinite_in_a_row}
         return self.ckpt.save(self.global_step, save_workers, state)

@@ -196,7 +196,7 @@ class ActorRolloutRefWorker(Worker):
         actor = self._require(self.actor, "actor")
         named = actor.iter_full_state_dict(layered=self.spec.weight_sync.layered)
         if self.rank == 0:
-            refs, count, nbytes = put_buckets(named, bucket_bytes)
+            refs, count, nbytes = put_buckets(named, bucket_bytes, self._transfer_dtype())
         else:
             for _ in named:  # every rank takes part in each bucket's gather
                 pass
@@ -208,6 +208,14 @@ class ActorRolloutRefWorker(Worker):
             return None
         dtype = str(compute_dtype(actor.cfg, actor.parallel.device_type)).removeprefix("torch.")
         return StoredWeights(tuple(refs), count, nbytes, version, probe, trained, dtype)
+
+    def _transfer_dtype(self) -> Optional[torch.dtype]:
+        name = self.spec.weight_sync.transfer_dtype
+        if name is None:
+            return None
+        if name == "auto":  # the rollout's own rule: bfloat16 on CUDA, float32 elsewhere
+            name = "bfloat16" if self.actor.parallel.device_type == "cuda" else "float32"
+        return getattr(torch, name)
 
     # ------------------------------------------------------------------ actor
     def _require(self, engine, role):

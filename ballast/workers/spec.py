@@ -33,11 +33,14 @@ class WeightSyncSpec:
     """How the actor's weights reach the rollout engine after an update. `layered`: gather at most one
     decoder layer at a time (verl's `rollout.layered_summon`). `check`: after every sync, compare the
     rollout engine's log-probs on a fixed probe with the actor's (`ballast.workers.sync_check`) and fail
-    the run beyond `check_tolerance` mean absolute difference (None: the default for the rollout's dtype)."""
+    the run beyond `check_tolerance` mean absolute difference (None: the default for the rollout's dtype).
+    `transfer_dtype`: a rollout pool of its own receives the weights in this dtype (the rollout's
+    `dtype` setting, "auto" resolved on the trainer's device; None: the trainer's own)."""
 
     layered: bool = False
     check: bool = False
     check_tolerance: Optional[float] = None
+    transfer_dtype: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.check_tolerance is not None and not self.check_tolerance > 0:

@@ -40,3 +40,12 @@ def test_a_tensor_changed_after_the_put_is_not_seen(ray_session):
 def test_a_bucket_size_must_be_positive(ray_session):
     with pytest.raises(ValueError, match="bucket_bytes=0 must be > 0"):
         put_buckets(iter(_named(count=1)), 0)
+
+
+def test_floating_point_tensors_travel_in_the_rollouts_dtype(ray_session):
+    named = [("w", torch.randn(8)), ("steps", torch.arange(3))]
+    refs, _, nbytes = put_buckets(iter(named), 1 << 20, dtype=torch.bfloat16)
+    (w, steps) = [t for _, t in iter_buckets(refs)]
+    assert w.dtype == torch.bfloat16 and torch.equal(w, named[0][1].to(torch.bfloat16))
+    assert steps.dtype == torch.int64 and torch.equal(steps, named[1][1])  # integers are left alone
+    assert nbytes == 8 * 2 + 3 * 8

@@ -39,16 +39,18 @@ def warmup_steps(value, train_batch_size: int, gen_batch_size, key: str = AHEAD_
 
     verl counts the prefetch window in prompts, `value` x `data.train_batch_size`, rounded down to whole
     generation batches of `data.gen_batch_size` prompts (default: train_batch_size). Each Ballast step
-    starts from one such batch, so the whole batches in the window are the steps generated ahead:
-    1.5 with equal sizes is one step ahead (verl also prefetches one batch then); with
-    gen_batch_size=train_batch_size/2 it would be three."""
+    starts from one such batch, so the whole batches in the window are the steps generated ahead, with
+    one exception: generation batches smaller than a training batch count as whole steps (each step
+    draws its first one ahead), so the window never makes samples older than `value` updates.
+    1.5 with equal sizes is one step ahead (verl also prefetches one batch then); 1.0 with a generation
+    batch three times the training batch is none (the window holds no whole generation batch)."""
     try:
         number = float(value)
     except (TypeError, ValueError):
         raise ConfigError(f"{key}={value!r} must be a number of batches >= 0") from None
     if not number >= 0 or number == float("inf"):
         raise ConfigError(f"{key}={value!r} must be a number of batches >= 0")
-    gen = int(gen_batch_size or train_batch_size)
+    gen = max(int(gen_batch_size or train_batch_size), int(train_batch_size))
     return int(round(number * int(train_batch_size), 9) // gen)  # round: 0.29 x 100 is 28.999...
 
 
@@ -64,7 +66,7 @@ def staleness_bound(cfg) -> int:
 def _rounding_line(key: str, value, ahead: int, train_batch_size, gen_batch_size) -> List[str]:
     if float(value) == ahead:
         return []
-    gen = gen_batch_size or train_batch_size
+    gen = max(gen_batch_size or train_batch_size, train_batch_size)
     return [f"[ballast] {key}={value:g}: {value:g} x data.train_batch_size={train_batch_size} prompts hold "
             f"{ahead} whole generation batch(es) of {gen} prompts, so {ahead} step(s) are generated ahead"]
 

@@ -54,9 +54,12 @@ def worker_specs(cfg: BallastConfig, sizes: DerivedSizes, total_steps: int) -> W
     if not split_pools(cfg):
         return WorkerSpecs(trainer, critic)
     # The rollout pool gets merged full weights through the object store (an adapter is merged in).
-    rollout = dataclasses.replace(trainer, actor=None, actor_train=None, ref=None, ref_in_actor=False,
-                                  rollout=rollout_config(cfg, None))
-    return WorkerSpecs(dataclasses.replace(trainer, rollout=None, rollout_val_sampling=None, agent=None), critic, rollout)
+    served = rollout_config(cfg, None)
+    rollout = dataclasses.replace(trainer, actor=None, actor_train=None, ref=None, ref_in_actor=False, rollout=served)
+    # the weights travel in the rollout's dtype: a bf16 engine needs half the bytes of fp32 masters
+    sync = dataclasses.replace(trainer.weight_sync, transfer_dtype=served.dtype)
+    return WorkerSpecs(dataclasses.replace(trainer, rollout=None, rollout_val_sampling=None, agent=None,
+                                           weight_sync=sync), critic, rollout)
 
 
 def engine_optim(optim: OptimSection, total_steps: int, prefix: str = "optim") -> OptimConfig:

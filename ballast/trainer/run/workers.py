@@ -57,6 +57,11 @@ class Workers:
         return self.actor_rollout.world_size
 
     @property
+    def num_devices(self) -> int:
+        """Every device (CPU: worker process) of the run, the rollout pool's included (throughput per GPU)."""
+        return self.world_size + (self.rollout.world_size if self.rollout is not None else 0)
+
+    @property
     def generator(self) -> RayWorkerGroup:
         """The group that generates: the rollout pool's, or the colocated one."""
         return self.rollout if self.rollout is not None else self.actor_rollout

@@ -133,9 +133,21 @@ class RolloutPipeline:
             except BaseException as err:  # handed to the main thread by take()
                 future.set_exception(err)
 
-    def ahead_rollouts(self) -> List[Rollout]:
-        """Every launched rollout not yet taken, finished (waits for them): what a checkpoint keeps."""
-        return [future.result() for _, future in self._pending]
+    def ahead_rollouts(self, next_step: int) -> List[Rollout]:
+        """What a checkpoint after step `next_step - 1` keeps: the launched rollouts not yet taken, in
+        order from `next_step`, finished (waits for them), up to the first that failed. A failure (the
+        data ran out while launching, a worker error) stays queued for `take()` to raise: the checkpoint
+        is written without it. Empty when the queue does not start at `next_step` (that step failed
+        while it was being taken; the run is ending)."""
+        kept: List[Rollout] = []
+        for step, future in self._pending:
+            if step != next_step + len(kept):
+                break
+            try:
+                kept.append(future.result())
+            except Exception:
+                break
+        return kept
 
     def restore(self, rollouts: List[Rollout]) -> None:
         """Queue rollouts saved by `ahead_rollouts` (a resumed run trains on exactly these)."""

@@ -11,7 +11,9 @@ of a colocated rollout (`RolloutPipeline`). Colocated runs export nothing: their
 from __future__ import annotations
 
 import time
-from typing import Dict, Optional
+from typing import Callable, Optional, TypeVar
+
+T = TypeVar("T")
 
 
 class RolloutWeights:
@@ -31,7 +33,11 @@ class RolloutWeights:
         self._pending = self.workers.actor_rollout.export_weights(version)[0]
         return time.perf_counter() - start
 
-    def generate_kwargs(self) -> Dict[str, object]:
-        """The keyword arguments of the next generate call: the pending export, handed over once."""
-        pending, self._pending = self._pending, None
-        return {} if pending is None else {"weights": pending}
+    def call(self, generate: Callable[..., T], *args, **kwargs) -> T:
+        """`generate(*args, **kwargs)`, carrying the pending export (`weights=`) if there is one; the
+        export is handed over once, when the call was submitted without an error."""
+        if self._pending is None:
+            return generate(*args, **kwargs)
+        result = generate(*args, weights=self._pending, **kwargs)
+        self._pending = None
+        return result

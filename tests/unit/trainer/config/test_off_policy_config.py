@@ -76,6 +76,7 @@ def test_separate_pools_size_the_rollout_from_its_own_pool(capsys):
     assert trainer.actor is not None and trainer.rollout is None and trainer.agent is None
     assert rollout.actor is None and rollout.ref is None and rollout.rollout is not None
     assert trainer.weight_sync.check and rollout.weight_sync.check  # on by default: weights cross processes
+    assert trainer.weight_sync.transfer_dtype == "auto"  # the rollout's dtype setting, resolved on the trainer
 
 
 def test_zero_batches_ahead_on_separate_pools_needs_no_correction():
@@ -119,9 +120,10 @@ def test_dynamic_sampling_is_accepted_with_batches_ahead():
 
 @pytest.mark.parametrize("value, train, gen, ahead", [
     (1.5, 64, None, 1),   # verl: floor(1.5 x 64 / 64) = 1 batch of 64 prompts
-    (1.5, 64, 32, 3),     # verl's own example: 96 prompts = 3 batches of 32
+    (1.5, 64, 32, 1),     # verl: 96 prompts = 3 batches of 32; here each step draws its first batch ahead, so
+                          # three would make samples 3 updates old: at most 1.5 -> one step
     (1.0, 32, 96, 0),     # DAPO's larger generation batches: the window holds none
-    (0.29, 100, 29, 1),   # 29 prompts, not 28.999...
+    (1.16, 50, 58, 1),    # 58 prompts, not 57.999...
     (2, 16, None, 2),
 ])
 def test_fractional_warmup_batches_count_prompts_as_verl_does(value, train, gen, ahead):

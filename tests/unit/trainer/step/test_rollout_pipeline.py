@@ -106,7 +106,7 @@ def test_a_launch_error_waits_for_its_step():
 def test_rollouts_generated_ahead_survive_a_checkpoint(tmp_path):
     loop = _Loop(2)
     loop.run([1, 2, 3])
-    ahead = loop.pipeline.ahead_rollouts()
+    ahead = loop.pipeline.ahead_rollouts(4)
     assert [r.step for r in ahead] == [4, 5, 6]
     save_rollouts_ahead(str(tmp_path), ahead)
     resumed = _Loop(2)
@@ -134,3 +134,22 @@ def test_idle_ratios():
     m = idle_metrics({"step": 2.0, "wait_rollout": 0.5, "gen_workers": 0.5})
     assert m == {"perf/trainer_idle_ratio": 0.25, "perf/rollout_idle_ratio": 0.75}
     assert idle_metrics({"step": 0.0}) == {}
+
+
+def test_a_checkpoint_keeps_the_rollouts_ahead_before_a_failed_launch(tmp_path):
+    # the data runs out while launching step 5: a checkpoint after step 3 keeps step 4 and does not
+    # raise; the failure stays queued for the step that needs it
+    def launch(step):
+        if step >= 5:
+            raise LookupError("the training data is used up")
+        return step, 0
+
+    pipeline = RolloutPipeline(launch, _Loop.finish, 2, 8)
+    for step in (1, 2, 3):
+        pipeline.take(step)
+        pipeline.launch_through(step + 3)
+    assert [r.step for r in pipeline.ahead_rollouts(4)] == [4]
+    assert pipeline.ahead_rollouts(5) == []  # the queue starts at step 4: nothing after a step not yet taken
+    assert pipeline.take(4)[0].step == 4
+    with pytest.raises(LookupError, match="used up"):
+        pipeline.take(5)
