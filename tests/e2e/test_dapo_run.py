@@ -123,8 +123,7 @@ def test_dapo_with_a_batch_generated_ahead_fills_each_step_with_fresh_samples(gs
     out = run_dir(tmp_path, "dapo_k1")
     line = _dapo_line(gsm8k_task, tiny_task["model"], out) + [
         "trainer.v1.trainer_mode=colocate_async", "trainer.v1.colocate_async.num_warmup_batches=1",
-        "trainer.total_training_steps=4", "trainer.test_freq=-1", "trainer.val_before_train=False",
-        "trainer.save_freq=-1"]
+        "trainer.test_freq=-1", "trainer.val_before_train=False", "trainer.save_freq=2"]
     with training_session(prepare_typed(load_config(line))) as trainer:
         assert trainer.rollouts.ahead == 1 and trainer.correction.bypass
         trainer.fit()
@@ -142,3 +141,6 @@ def test_dapo_with_a_batch_generated_ahead_fills_each_step_with_fresh_samples(gs
         if r["train/num_gen_batches"] == 1:
             assert r[f"{age}/min"] == 1.0
         assert math.isfinite(r["actor/pg_loss"]) and math.isfinite(r["rollout_corr/k3_kl"])
+    # the run ends when the data runs out, with batches launched ahead: the last step is checkpointed
+    with open(os.path.join(out, "latest_checkpointed_iteration.txt")) as f:
+        assert int(f.read()) == trained

@@ -118,16 +118,10 @@ def test_dynamic_sampling_is_accepted_with_batches_ahead():
     check_rules(cfg)
 
 
-@pytest.mark.parametrize("value, train, gen, ahead", [
-    (1.5, 64, None, 1),   # verl: floor(1.5 x 64 / 64) = 1 batch of 64 prompts
-    (1.5, 64, 32, 1),     # verl: 96 prompts = 3 batches of 32; here each step draws its first batch ahead, so
-                          # three would make samples 3 updates old: at most 1.5 -> one step
-    (1.0, 32, 96, 0),     # DAPO's larger generation batches: the window holds none
-    (1.16, 50, 58, 1),    # 58 prompts, not 57.999...
-    (2, 16, None, 2),
-])
-def test_fractional_warmup_batches_count_prompts_as_verl_does(value, train, gen, ahead):
-    assert warmup_steps(value, train, gen) == ahead
+@pytest.mark.parametrize("value, ahead", [(1.5, 1), (0.5, 0), (2, 2), (2.999, 2), (0, 0)])
+def test_fractional_warmup_batches_round_down_to_whole_steps(value, ahead):
+    # verl's prompt window with gen_batch_size == train_batch_size: floor(value) batches
+    assert warmup_steps(value) == ahead
 
 
 def test_a_rounded_warmup_is_announced(capsys):
@@ -135,11 +129,11 @@ def test_a_rounded_warmup_is_announced(capsys):
                 "data.train_batch_size=8")
     assert staleness_bound(cfg) == 1 and cfg.algorithm.rollout_correction.bypass_mode
     out = capsys.readouterr().out
-    assert "num_warmup_batches=1.5: 1.5 x data.train_batch_size=8 prompts hold 1 whole generation batch(es)" in out
+    assert "num_warmup_batches=1.5: Ballast generates whole steps ahead; 1 step(s) are generated ahead" in out
     check_rules(cfg)
 
 
 def test_a_warmup_below_one_batch_is_the_synchronous_trainer(capsys):
     cfg = _load("trainer.v1.trainer_mode=colocate_async", "trainer.v1.colocate_async.num_warmup_batches=0.5")
     assert staleness_bound(cfg) == 0 and not cfg.algorithm.rollout_correction.bypass_mode
-    assert "0 whole generation batch(es)" in capsys.readouterr().out
+    assert "0 step(s) are generated ahead" in capsys.readouterr().out
