@@ -8,6 +8,8 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 from ballast.trainer.main import EXIT_WORKER_FAILED
 
 from testkit.e2e import WITH_ROLLOUT_LOG_PROBS, killed_on_exit, last_line, run_dir, start_trainer
@@ -39,16 +41,34 @@ def test_split_pools_sample_with_the_trainers_weights(session, tmp_path):
         assert r["rollout/sync_check/mean_abs_diff"] < 1e-5 and r["timing_s/export_weights"] > 0
         assert STALENESS not in r
 
-    k1 = [*SPLIT, "trainer.v1.separate_async.num_warmup_batches=1", "trainer.total_training_steps=4"]
+
+def test_one_batch_ahead_on_split_pools_validates_and_resumes_exactly(session, tmp_path):
+    k1 = [*SPLIT, "trainer.v1.separate_async.num_warmup_batches=1", "trainer.total_training_steps=4",
+          "trainer.val_before_train=True", "trainer.test_freq=2", "trainer.save_freq=2"]
     with session("k1", *k1) as trainer:
         assert trainer.rollouts.ahead == 1 and trainer.correction.bypass  # stale samples: corrected by default
         trainer.fit()
     rows = _rows(os.path.join(tmp_path, "k1"))
-    assert [r[STALENESS] for r in rows] == [0.0, 1.0, 1.0, 1.0]
-    assert rows[0]["rollout_corr/k3_kl"] < 1e-6 < min(r["rollout_corr/k3_kl"] for r in rows[1:])  # stale from step 2
-    # step 2's batch was launched with step 1's, before any update: no new weights went with it
-    checked = [r.get("rollout/sync_check/mean_abs_diff") for r in rows]
-    assert [c is not None for c in checked] == [True, False, True, True] and max(c or 0 for c in checked) < 1e-5
+    steps = [r for r in rows if STALENESS in r]
+    assert [r[STALENESS] for r in steps] == [0.0, 1.0, 1.0, 1.0]
+    assert steps[0]["rollout_corr/k3_kl"] < 1e-6 < min(r["rollout_corr/k3_kl"] for r in steps[1:])  # stale from step 2
+    # the initial weights went with the validation before training, and step 2's batch was launched with
+    # step 1's, before any update: the weights (and their check) came with the batches of steps 3 and 4
+    checked = [r.get("rollout/sync_check/mean_abs_diff") for r in steps]
+    assert [c is not None for c in checked] == [False, False, True, True] and max(c or 0 for c in checked) < 1e-5
+    # validation on the rollout pool: before training and at steps 2 and 4
+    assert sorted(r["step"] for r in rows if "val/score/mean" in r) == [0, 2, 4]
+    # a run resumed from step 2 (the trainer's weights go to the rollout pool first) continues exactly
+    checkpoint = os.path.join(tmp_path, "k1", "global_step_2")
+    with session("resumed", *k1, "trainer.resume_mode=resume_path", f"trainer.resume_from_path={checkpoint}") as trainer:
+        assert trainer.global_step == 2
+        trainer.fit()
+    resumed = {r["step"]: r for r in _rows(os.path.join(tmp_path, "resumed")) if STALENESS in r}
+    assert sorted(resumed) == [3, 4]
+    for straight in steps[2:]:
+        again = resumed[straight["step"]]
+        for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "rollout_corr/k3_kl", STALENESS):
+            assert again[key] == pytest.approx(straight[key], rel=1e-5, abs=1e-7), key
 
 
 def test_a_transfer_that_loads_nothing_stops_the_run_naming_the_cause(tiny_task, tmp_path):
