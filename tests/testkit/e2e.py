@@ -23,6 +23,12 @@ def write_tiny_task(data_dir):
 # With overrides(): the default tiny GRPO (two mini-batches per step) with the rollout's log-probs, the
 # config of the e2e tests' shared run (tests/e2e/conftest.py, rollout_log_probs_run).
 WITH_ROLLOUT_LOG_PROBS = ("actor_rollout_ref.rollout.calculate_log_probs=True",)
+# separate_async with one trainer and one rollout worker (the 2-core box); one mini-batch per step, so at a
+# step whose batch came from the trainer's current weights the rollout's log-probs equal the actor's
+SPLIT_POOLS = ("trainer.v1.trainer_mode=separate_async", "actor_rollout_ref.hybrid_engine=False",
+               "trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.nnodes=1",
+               "actor_rollout_ref.rollout.n_gpus_per_node=1", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+               "trainer.v1.separate_async.parameter_sync_step=1")
 
 
 def overrides(task, run_dir, *extra):

@@ -16,7 +16,7 @@ _STREAMS = (  # (path prefix, stream); the first match wins
     ("tests/distributed/test_real_model_ulysses.py", "stream-e2e"),
     ("tests/e2e/test_faults.py", "stream-cluster"),
     ("tests/e2e/test_bad_inputs.py", "stream-cluster"),
-    ("tests/e2e/test_split_pools.py", "stream-cluster"),
+    ("tests/e2e/test_split_pools_ahead.py", "stream-cluster"),
     ("tests/e2e/", "stream-e2e"),
     ("tests/distributed/", "stream-cluster"),
     ("tests/multinode/", "stream-cluster"),
