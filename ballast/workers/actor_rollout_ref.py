@@ -29,6 +29,7 @@ from ballast.engine import MiniBatchPlan, PhasePlan
 from ballast.workers.on_policy import OldLogProbMode, SelfOldLogProbLoss, rows_after_first
 from ballast.workers.perf import mfu_metrics, peak_flops
 from ballast.workers.rollout import build_backend, new_tp_group, tp_generate
+from ballast.workers.rollout.base import resolve_rollout_dtype
 from ballast.workers.rollout.weight_sync import SyncMode, sync_actor, sync_mode
 from ballast.workers.agent_loop.runner import AgentLoopRunner
 from ballast.workers.agent_loop.tp import tp_agent_generate
@@ -213,9 +214,7 @@ class ActorRolloutRefWorker(Worker):
         name = self.spec.weight_sync.transfer_dtype
         if name is None:
             return None
-        if name == "auto":  # the rollout's own rule: bfloat16 on CUDA, float32 elsewhere
-            name = "bfloat16" if self.actor.parallel.device_type == "cuda" else "float32"
-        return getattr(torch, name)
+        return getattr(torch, resolve_rollout_dtype(name, self.actor.parallel.device_type))
 
     # ------------------------------------------------------------------ actor
     def _require(self, engine, role):

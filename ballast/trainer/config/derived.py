@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, List, Optional, Sequence
 from ballast.trainer.config.keys import build
 from ballast.trainer.config.loader import ConfigError
 from ballast.trainer.config.model_info import ModelInfo
+from ballast.trainer.config.off_policy import split_pools
 from ballast.trainer.config.schema import BallastConfig
 
 if TYPE_CHECKING:
@@ -175,7 +176,7 @@ _SAMPLES = "data.train_batch_size * actor_rollout_ref.rollout.n"
 
 def rollout_world_size(cfg: BallastConfig) -> int:
     """Processes that run the rollout: the trainer's (colocated) or the rollout pool's (separate_async)."""
-    if cfg.trainer.v1.trainer_mode == "separate_async":
+    if split_pools(cfg):
         return cfg.actor_rollout_ref.rollout.nnodes * cfg.actor_rollout_ref.rollout.n_gpus_per_node
     return cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
 
@@ -187,8 +188,8 @@ def _rollout_dp(cfg: BallastConfig, world: int, model: Optional[ModelInfo]) -> i
     tp_key = "actor_rollout_ref.rollout.tensor_model_parallel_size"
     if tp < 1:
         raise ConfigError(f"{tp_key}={tp} must be >= 1")
-    _divides(tp, world, tp_key, _WORLD if cfg.trainer.v1.trainer_mode != "separate_async" else
-             "rollout pool size (actor_rollout_ref.rollout.nnodes * n_gpus_per_node)")
+    _divides(tp, world, tp_key, "rollout pool size (actor_rollout_ref.rollout.nnodes * n_gpus_per_node)"
+             if split_pools(cfg) else _WORLD)
     if model is not None:
         _divides(tp, model.num_attention_heads, tp_key, "the model's num_attention_heads")
     rollout_dp = world // tp

@@ -35,6 +35,7 @@ from typing import Optional
 from ballast.engine.dist import resolve_shard_size
 from ballast.trainer.config.derived import actor_uses_lora, uses_critic, uses_reference
 from ballast.trainer.config.loader import ConfigError
+from ballast.trainer.config.off_policy import split_pools
 from ballast.trainer.config.schema import BallastConfig
 
 GIB = 1 << 30
@@ -159,7 +160,7 @@ def check_rollout_gpu_memory_at_start(cfg: BallastConfig) -> Optional[RolloutMem
     without GPUs cannot know the devices' size: the check is skipped and vLLM's own error remains)."""
     if cfg.actor_rollout_ref.rollout.name != "vllm" or cfg.trainer.device == "cpu":
         return None
-    if cfg.trainer.v1.trainer_mode == "separate_async":  # vLLM has devices of its own: nothing shares them
+    if split_pools(cfg):  # vLLM has devices of its own: nothing shares them
         return None
     total = gpu_total_bytes()
     params = checkpoint_param_count(cfg.actor_rollout_ref.model.path) if total else None

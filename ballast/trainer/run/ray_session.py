@@ -28,6 +28,8 @@ from typing import Optional, Tuple
 
 from ballast.trainer.run import ray_watchdog
 from ballast.trainer.config import BallastConfig, ConfigError
+from ballast.trainer.config.derived import rollout_world_size
+from ballast.trainer.config.off_policy import split_pools
 
 
 class RayUnavailableError(RuntimeError):
@@ -139,8 +141,8 @@ def _start_local(cfg: BallastConfig, quiet: dict) -> RaySession:
 
     r, t = cfg.ray_init, cfg.trainer
     processes = t.nnodes * t.n_gpus_per_node
-    if t.v1.trainer_mode == "separate_async":  # the rollout pool's processes come on top
-        processes += cfg.actor_rollout_ref.rollout.nnodes * cfg.actor_rollout_ref.rollout.n_gpus_per_node
+    if split_pools(cfg):  # the rollout pool's processes come on top
+        processes += rollout_world_size(cfg)
     num_cpus = r.num_cpus or max(os.cpu_count() or 1, processes)
     temp_dir = tempfile.mkdtemp(prefix="ray_", dir=ray_temp_root())
     session = RaySession(connected=True, temp_dir=temp_dir, watchdog=_start_watchdog(temp_dir))

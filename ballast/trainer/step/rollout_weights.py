@@ -10,7 +10,6 @@ of a colocated rollout (`RolloutPipeline`). Colocated runs export nothing: their
 
 from __future__ import annotations
 
-import time
 from typing import Callable, Optional, TypeVar
 
 T = TypeVar("T")
@@ -25,13 +24,10 @@ class RolloutWeights:
     def split(self) -> bool:
         return self.workers.rollout is not None
 
-    def export(self, version: int) -> float:
-        """Export the trainer's current weights as `version` (split pools only); returns the seconds."""
-        if not self.split:
-            return 0.0
-        start = time.perf_counter()
-        self._pending = self.workers.actor_rollout.export_weights(version)[0]
-        return time.perf_counter() - start
+    def export(self, version: int) -> None:
+        """Export the trainer's current weights as `version` (split pools only)."""
+        if self.split:
+            self._pending = self.workers.actor_rollout.export_weights(version)[0]
 
     def call(self, generate: Callable[..., T], *args, **kwargs) -> T:
         """`generate(*args, **kwargs)`, carrying the pending export (`weights=`) if there is one; the

@@ -204,9 +204,14 @@ class RolloutConfig:
         return self.device
 
     def resolved_dtype(self) -> str:
-        if self.dtype == "auto":
-            return "bfloat16" if self.resolved_device() == "cuda" else "float32"
-        return self.dtype
+        return resolve_rollout_dtype(self.dtype, self.resolved_device())
+
+
+def resolve_rollout_dtype(dtype: str, device_type: str) -> str:
+    """The rollout's `dtype` setting on `device_type`: "auto" is bfloat16 on CUDA, float32 elsewhere."""
+    if dtype == "auto":
+        return "bfloat16" if device_type == "cuda" else "float32"
+    return dtype
 
 
 def _choice(key: str, value, allowed: Sequence[str]) -> None:
