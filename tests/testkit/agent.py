@@ -119,7 +119,7 @@ def register_inserting_loop():
                 if turn:
                     t.add_inserted(INSERTED)
                 out = await self.ctx.engine.generate(TurnRequest(t.ids, 6, sample.seed(turn)))
-                t.add_sampled(out.token_ids, out.log_probs)
+                t.add_sampled(out.token_ids, out.log_probs, out.versions)
             return t.output(StopReason.ANSWER, num_turns=5, info={"assistant_turns": 3.0})
 
     return _Inserting

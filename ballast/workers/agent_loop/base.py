@@ -5,7 +5,7 @@
         async def run(self, sample: AgentSample) -> AgentLoopOutput:
             t = Transcript(sample.prompt_ids)
             out = await self.ctx.engine.generate(TurnRequest(t.ids, self.ctx.budget(t), sample.seed(0)))
-            t.add_sampled(out.token_ids, out.log_probs)
+            t.add_sampled(out.token_ids, out.log_probs, out.versions)
             return t.output(StopReason.ANSWER, assistant_turns=1)
 
 A loop sees the sample (prompt ids, chat messages, extra_info), an `AgentContext` (the asynchronous
@@ -64,6 +64,8 @@ class AgentLoopOutput:
     num_turns: int                        # verl's count: assistant turns + tool/user turns + 1
     info: dict[str, float] = field(default_factory=dict)  # per-sample numbers for the step's metrics
     reward_score: float | None = None     # a score the loop computed itself (None: the reward function's)
+    token_versions: list[int] | None = None  # partial rollouts: per response token, the weight version that
+    #                                          sampled it (-1 on inserted tokens); None: the call's weights
 
 
 class Transcript:
@@ -74,6 +76,8 @@ class Transcript:
         self.response_ids: list[int] = []
         self.mask: list[int] = []
         self.log_probs: list[float] | None = [] if with_log_probs else None
+        self.versions: list[int] = []
+        self._any_version = False
 
     @property
     def ids(self) -> list[int]:
@@ -82,7 +86,11 @@ class Transcript:
     def __len__(self) -> int:
         return len(self.response_ids)
 
-    def add_sampled(self, ids: Sequence[int], log_probs: Sequence[float] | None) -> None:
+    def add_sampled(self, ids: Sequence[int], log_probs: Sequence[float] | None,
+                    versions: Sequence[int] | None = None) -> None:
+        """Append a turn's sampled ids; `versions` is the turn's `TurnOutput.versions` (partial rollouts)."""
+        if versions is not None and len(versions) != len(ids):
+            raise ValueError(f"{len(ids)} sampled ids need as many versions, got {len(versions)}")
         if self.log_probs is not None:
             if log_probs is None or len(log_probs) != len(ids):
                 raise ValueError(f"{len(ids)} sampled ids need as many log-probs, got "
@@ -90,10 +98,13 @@ class Transcript:
             self.log_probs.extend(float(x) for x in log_probs)
         self.response_ids.extend(int(t) for t in ids)
         self.mask.extend([1] * len(ids))
+        self.versions.extend([-1] * len(ids) if versions is None else (int(v) for v in versions))
+        self._any_version |= versions is not None
 
     def add_inserted(self, ids: Sequence[int]) -> None:
         self.response_ids.extend(int(t) for t in ids)
         self.mask.extend([0] * len(ids))
+        self.versions.extend([-1] * len(ids))
         if self.log_probs is not None:
             self.log_probs.extend([0.0] * len(ids))
 
@@ -104,7 +115,7 @@ class Transcript:
         info.setdefault("tool_tokens", float(len(self.mask) - sum(self.mask)))
         return AgentLoopOutput(self.prompt_ids, list(self.response_ids), list(self.mask),
                                None if self.log_probs is None else list(self.log_probs), stop, num_turns, info,
-                               reward_score)
+                               reward_score, list(self.versions) if self._any_version else None)
 
 
 @dataclass

@@ -36,7 +36,7 @@ class SingleTurnAgentLoop(AgentLoop):
         ctx = self.ctx
         t = Transcript(sample.prompt_ids, with_log_probs=ctx.sampling.calculate_log_probs)
         out = await ctx.engine.generate(TurnRequest(sample.prompt_ids, ctx.response_length, sample.seed(0)))
-        t.add_sampled(out.token_ids, out.log_probs)
+        t.add_sampled(out.token_ids, out.log_probs, out.versions)
         reason = StopReason.ANSWER if out.finish_reason == "stop" else StopReason.LENGTH
         return t.output(reason, num_turns=2, info={"assistant_turns": 1.0})
 
@@ -63,7 +63,7 @@ class ToolAgentLoop(AgentLoop):
         assistant = user = 0
         while True:
             out = await ctx.engine.generate(TurnRequest(t.ids, ctx.budget(t), sample.seed(assistant)))
-            t.add_sampled(out.token_ids, out.log_probs)
+            t.add_sampled(out.token_ids, out.log_probs, out.versions)
             assistant += 1
             stop_text = chat.decode(out.token_ids[-1:]) if out.finish_reason == "stop" else None
             content = chat.decode(out.token_ids[:-1] if stop_text is not None else out.token_ids)

@@ -6,7 +6,9 @@ order) RIGHT-padded to width R.
     to them and the engine's lengths, balancing, token budgets and remove-padding see whole
     conversations;
   * `response_mask` is 1 only on sampled tokens (the loss), `rollout_log_probs` 0 where it is 0;
-  * `position_ids` continue from the prompt's last position over the whole response.
+  * `position_ids` continue from the prompt's last position over the whole response;
+  * `rollout_versions` (partial rollouts only): the weight version that sampled each response token,
+    -1 on tokens the model did not sample and on padding.
 P is the input's width when every conversation kept the dataset's prompt width (so a single-turn
 call returns exactly what batched generation returns, prompt columns copied from the input), else
 `prompt_length` (the same on every data-parallel rank, so their outputs concatenate). R is the
@@ -58,6 +60,8 @@ def assemble(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids
     resp_mask = torch.zeros((rows, resp_width), dtype=torch.int64)
     resp_real = torch.zeros((rows, resp_width), dtype=torch.int64)
     log_probs = torch.zeros((rows, resp_width), dtype=torch.float32) if with_log_probs else None
+    with_versions = any(o.token_versions is not None for o in outputs)
+    versions = torch.full((rows, resp_width), -1, dtype=torch.int64) if with_versions else None
     for i, out in enumerate(outputs):
         n = len(out.response_ids)
         if len(out.response_mask) != n or (log_probs is not None and len(out.log_probs or ()) != n):
@@ -68,6 +72,11 @@ def assemble(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids
             resp_real[i, :n] = 1
             if log_probs is not None:
                 log_probs[i, :n] = torch.tensor(out.log_probs, dtype=torch.float32)
+            if versions is not None and (out.token_versions is not None or any(out.response_mask)):
+                if out.token_versions is None or len(out.token_versions) != n:
+                    raise ValueError(f"row {i}: partial rollouts need every sampled token's version (a loop that "
+                                     "builds its Transcript must pass TurnOutput.versions to add_sampled)")
+                versions[i, :n] = torch.tensor(out.token_versions, dtype=torch.int64)
     steps = torch.arange(1, resp_width + 1, dtype=torch.int64).unsqueeze(0)
     result = {
         "prompts": prompts, "responses": responses, "response_mask": resp_mask,
@@ -77,6 +86,8 @@ def assemble(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids
     }
     if log_probs is not None:
         result["rollout_log_probs"] = log_probs
+    if versions is not None:
+        result["rollout_versions"] = versions
     return TensorDict(result, batch_size=[rows])
 
 

@@ -31,6 +31,7 @@ from ballast.workers.agent_loop.config import AgentLoopSpec
 from ballast.workers.agent_loop.output import assemble, sample_columns
 from ballast.workers.rollout.async_engine import AsyncEngine, StepHook, make_core, request_seed
 from ballast.workers.rollout.base import SamplingConfig, start_generate_call, stop_ids_for
+from ballast.workers.rollout.resume import ResumingCore, WeightUpdates
 
 SINGLE_TURN = "single_turn_agent"
 
@@ -75,9 +76,11 @@ class AgentLoopRunner:
         return names
 
     def generate(self, prompts, sampling: SamplingConfig | None = None, call_index: int | None = None,
-                 on_step: StepHook | None = None) -> AgentRollout:
+                 on_step: StepHook | None = None, updates: WeightUpdates | None = None) -> AgentRollout:
         """Run every row's conversation; `prompts` is a Batch (tensors: input_ids, attention_mask,
-        position_ids; non-tensors: raw_prompt, extra_info, agent_name when present)."""
+        position_ids; non-tensors: raw_prompt, extra_info, agent_name when present). `updates`: partial
+        rollouts, weights that arrive during the call interrupt and resume the turns in flight (see
+        `ballast.workers.rollout.resume`); the output then has `rollout_versions`."""
         call = start_generate_call(self.backend, prompts.tensors, sampling, call_index)
         sampling = call.sampling
         rows = len(call.token_lists)
@@ -90,7 +93,7 @@ class AgentLoopRunner:
             extra_info=nt["extra_info"][i] if "extra_info" in nt and isinstance(nt["extra_info"][i], dict) else {},
             seed=functools.partial(request_seed, seed, self.backend.config.engine_index, call.call_index, i),
         ) for i in range(rows)]
-        outputs, steps = asyncio.run(self._run_all(samples, names, sampling, on_step))
+        outputs, steps = asyncio.run(self._run_all(samples, names, sampling, on_step, updates))
         tensors = assemble(call.input_ids, call.attention_mask, call.position_ids, outputs,
                            pad_token_id=self.backend.pad_token_id, prompt_length=self.spec.prompt_length,
                            response_length=sampling.max_response_length if sampling.pad_to_max_response_length
@@ -98,8 +101,10 @@ class AgentLoopRunner:
         return AgentRollout(tensors, sample_columns(outputs, names), steps)
 
     async def _run_all(self, samples: list[AgentSample], names: list[str], sampling: SamplingConfig,
-                       on_step: StepHook | None) -> tuple[list[AgentLoopOutput], int]:
-        core = make_core(self.backend, sampling)
+                       on_step: StepHook | None, updates: WeightUpdates | None) -> tuple[list[AgentLoopOutput], int]:
+        core = make_core(self.backend, sampling, resumable=updates is not None)
+        if updates is not None:
+            core = ResumingCore(core, updates)
         limit = self.spec.max_concurrent_conversations
         slots = asyncio.Semaphore(limit) if limit else None
         async with AsyncEngine(core, on_step) as engine:

@@ -49,10 +49,13 @@ def _gather_prompts(prompts: Batch, group, pad_token_id: int) -> tuple[Batch, li
 
 
 def tp_agent_generate(runner: AgentLoopRunner, prompts: Batch, group, sampling: SamplingConfig | None = None,
-                      call_index: int | None = None) -> AgentRollout:
-    """`runner.generate` for this rank's `prompts` within TP `group` (None: no TP, run it directly)."""
+                      call_index: int | None = None, updates=None) -> AgentRollout:
+    """`runner.generate` for this rank's `prompts` within TP `group` (None: no TP, run it directly).
+    `updates` (partial rollouts) is only taken without TP: the start-up rules refuse it with TP."""
     if group is None:
-        return runner.generate(prompts, sampling, call_index)
+        return runner.generate(prompts, sampling, call_index, updates=updates)
+    if updates is not None:
+        raise ValueError("partial rollouts need actor_rollout_ref.rollout.tensor_model_parallel_size=1")
     if "position_ids" not in prompts.tensor_keys:
         from ballast.workers.rollout.postprocess import default_position_ids
 

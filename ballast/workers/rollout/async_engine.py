@@ -48,9 +48,12 @@ def request_seed(seed: int | None, engine_index: int, call_index: int, row: int,
     if seed is None:
         return None
     base = sampling_seed(seed, engine_index, call_index, row)
-    if turn == 0:
-        return base
-    high, low = np.random.SeedSequence([base, turn]).generate_state(2, np.uint32)
+    return base if turn == 0 else derived_seed(base, turn)
+
+
+def derived_seed(seed: int, index: int) -> int:
+    """A seed of its own for part `index` of a request seeded with `seed` (63 bits, like request_seed)."""
+    high, low = np.random.SeedSequence([seed, index]).generate_state(2, np.uint32)
     return ((int(high) << 32) | int(low)) >> 1
 
 
@@ -73,11 +76,14 @@ class TurnRequest:
 @dataclass(frozen=True)
 class TurnOutput:
     """The sampled ids (through the first stop token), their log-probs (None unless requested) and
-    why the turn ended: "stop" (a stop/eos token, kept as the last id) or "length" (max_tokens)."""
+    why the turn ended: "stop" (a stop/eos token, kept as the last id) or "length" (max_tokens).
+    `versions`: per token, the weight version that sampled it (partial rollouts, see `resume.py`;
+    None: the call's weights sampled every token)."""
 
     token_ids: tuple[int, ...]
     log_probs: tuple[float, ...] | None
     finish_reason: str
+    versions: tuple[int, ...] | None = None
 
 
 def finish(tokens: Sequence[int], log_probs: Sequence[float] | None, stop: Sequence[int],
@@ -104,18 +110,28 @@ class EngineCore(Protocol):
 
     def abort_all(self) -> None: ...
 
+    def interrupt(self) -> list[tuple[str, list[int], list[float] | None]]:
+        """Stop every unfinished request and drop it from the engine: (request id, the ids it sampled so
+        far, their log-probs), in the order they were added. Only cores built `resumable` support it."""
+        ...
+
 
 class VLLMCore:
-    """Request-level access to a `VLLMBackend`'s in-process `LLMEngine` under one sampling config."""
+    """Request-level access to a `VLLMBackend`'s in-process `LLMEngine` under one sampling config.
 
-    def __init__(self, backend, sampling: SamplingConfig):
+    `resumable`: the engine reports every step's new tokens (vLLM's DELTA outputs) and the core keeps
+    them, so `interrupt` can hand back what unfinished requests sampled so far; otherwise only
+    finished requests are reported (FINAL_ONLY, less work per step)."""
+
+    def __init__(self, backend, sampling: SamplingConfig, resumable: bool = False):
         from vllm.sampling_params import RequestOutputKind
 
         backend._require_awake()
         self.backend, self.sampling = backend, sampling
         self.stop = stop_ids_for(sampling, backend.eos_token_ids)
         self.engine = backend.llm.llm_engine
-        self._final_only = RequestOutputKind.FINAL_ONLY
+        self._kind = RequestOutputKind.DELTA if resumable else RequestOutputKind.FINAL_ONLY
+        self._sofar: dict[str, tuple[list[int], list[float]]] | None = {} if resumable else None
         self._max_tokens: dict[str, int] = {}
 
     def add(self, request_id: str, request: TurnRequest) -> None:
@@ -129,25 +145,33 @@ class VLLMCore:
         if bad:
             raise ValueError(f"request {request_id} holds token id {bad[0]} outside [0, {self.backend.vocab_size})")
         params = self.backend.request_params(self.sampling, self.stop, request.max_tokens, request.seed)
-        params.output_kind = self._final_only
+        params.output_kind = self._kind
         prompt = TokensPrompt(prompt_token_ids=list(request.prompt_ids))
         llm = self.backend.llm
         # The path LLM.generate takes (renderer first); older builds take the raw prompt.
         engine_input = llm._preprocess_cmpl_one(prompt) if hasattr(llm, "_preprocess_cmpl_one") else prompt
         self.engine.add_request(request_id, engine_input, params)
         self._max_tokens[request_id] = request.max_tokens
+        if self._sofar is not None:
+            self._sofar[request_id] = ([], [])
 
     def step(self) -> list[tuple[str, TurnOutput]]:
         done = []
         for out in self.engine.step():
-            if not out.finished:
-                continue
             completion = out.outputs[0]
             tokens = list(completion.token_ids)
             lps = None
             if self.sampling.calculate_log_probs:
                 lps = [step[t].logprob for step, t in zip(completion.logprobs, tokens)]
-            done.append((out.request_id, finish(tokens, lps, self.stop, self._max_tokens.pop(out.request_id))))
+            if self._sofar is not None:  # DELTA: this step's tokens only
+                sofar = self._sofar[out.request_id]
+                sofar[0].extend(tokens)
+                sofar[1].extend(lps or ())
+                if out.finished:
+                    tokens, lps = self._sofar.pop(out.request_id)
+                    lps = lps if self.sampling.calculate_log_probs else None
+            if out.finished:
+                done.append((out.request_id, finish(tokens, lps, self.stop, self._max_tokens.pop(out.request_id))))
         return done
 
     def has_unfinished(self) -> bool:
@@ -157,39 +181,73 @@ class VLLMCore:
         if self._max_tokens:
             self.engine.abort_request(list(self._max_tokens))
             self._max_tokens.clear()
+        if self._sofar is not None:
+            self._sofar.clear()
+
+    def interrupt(self) -> list[tuple[str, list[int], list[float] | None]]:
+        if self._sofar is None:
+            raise RuntimeError("VLLMCore.interrupt needs a core built with resumable=True")
+        with_lps = self.sampling.calculate_log_probs
+        partial = [(rid, tokens, lps if with_lps else None) for rid, (tokens, lps) in self._sofar.items()]
+        self.abort_all()
+        return partial
 
 
 class HFCore:
-    """Request batching for an `HFBackend`: each step is one `generate` over every waiting request."""
+    """Request batching for an `HFBackend`: each step is one `generate` over every waiting request.
 
-    def __init__(self, backend, sampling: SamplingConfig, max_batch: int | None = None):
+    `step_tokens` (partial rollouts): a step samples at most that many tokens per request; unfinished
+    requests stay waiting with what they sampled so far, so a weight update between steps can
+    `interrupt` them. None: a request is generated to its end in one step."""
+
+    def __init__(self, backend, sampling: SamplingConfig, max_batch: int | None = None,
+                 step_tokens: int | None = None):
+        if step_tokens is not None and step_tokens < 1:
+            raise ValueError(f"step_tokens={step_tokens} must be >= 1")
         self.backend, self.sampling = backend, sampling
         self.stop = stop_ids_for(sampling, backend.eos_token_ids)
-        self.max_batch = max_batch
-        self._waiting: list[tuple[str, TurnRequest]] = []
+        self.max_batch, self.step_tokens = max_batch, step_tokens
+        # (request id, request, ids sampled so far, their log-probs)
+        self._waiting: list[tuple[str, TurnRequest, list[int], list[float]]] = []
 
     def add(self, request_id: str, request: TurnRequest) -> None:
         bad = [t for t in request.prompt_ids if not 0 <= t < self.backend.vocab_size]
         if bad:
             raise ValueError(f"request {request_id} holds token id {bad[0]} outside [0, {self.backend.vocab_size})")
-        self._waiting.append((request_id, request))
+        self._waiting.append((request_id, request, [], []))
 
     def step(self) -> list[tuple[str, TurnOutput]]:
         take = len(self._waiting) if self.max_batch is None else min(self.max_batch, len(self._waiting))
         batch, self._waiting = self._waiting[:take], self._waiting[take:]
         if not batch:
             return []
-        width = max(len(r.prompt_ids) for _, r in batch)
+        prompts = [list(r.prompt_ids) + sofar for _, r, sofar, _ in batch]
+        limits = [r.max_tokens - len(sofar) for _, r, sofar, _ in batch]
+        if self.step_tokens is not None:
+            limits = [min(n, self.step_tokens) for n in limits]
+        width = max(len(p) for p in prompts)
         ids = torch.full((len(batch), width), self.backend.pad_token_id, dtype=torch.int64)
         mask = torch.zeros((len(batch), width), dtype=torch.int64)
-        for i, (_, r) in enumerate(batch):
-            ids[i, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
-            mask[i, width - len(r.prompt_ids):] = 1
-        longest = max(r.max_tokens for _, r in batch)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
         seed = batch[0][1].seed if self.sampling.do_sample else None
-        responses, lps = self.backend.generate_padded(ids, mask, self.sampling, self.stop, longest, seed)
-        return [(rid, finish(responses[i], None if lps is None else lps[i], self.stop, r.max_tokens))
-                for i, (rid, r) in enumerate(batch)]
+        if seed is not None and batch[0][2]:  # a later slice of a request: a stream of its own
+            seed = derived_seed(seed, len(batch[0][2]))
+        responses, lps = self.backend.generate_padded(ids, mask, self.sampling, self.stop, max(limits), seed)
+        done, unfinished = [], []
+        for i, (rid, r, sofar, sofar_lps) in enumerate(batch):
+            out = finish(responses[i], None if lps is None else lps[i], self.stop, limits[i])
+            tokens = sofar + list(out.token_ids)
+            # without slicing (or when a slice made no progress) a request ends with its step
+            if out.finish_reason == "stop" or len(tokens) >= r.max_tokens or self.step_tokens is None \
+                    or not out.token_ids:
+                full_lps = None if out.log_probs is None else tuple(sofar_lps) + out.log_probs
+                done.append((rid, TurnOutput(tuple(tokens), full_lps, out.finish_reason)))
+            else:
+                unfinished.append((rid, r, tokens, sofar_lps + list(out.log_probs or ())))
+        self._waiting = unfinished + self._waiting
+        return done
 
     def has_unfinished(self) -> bool:
         return bool(self._waiting)
@@ -197,13 +255,24 @@ class HFCore:
     def abort_all(self) -> None:
         self._waiting.clear()
 
+    def interrupt(self) -> list[tuple[str, list[int], list[float] | None]]:
+        with_lps = self.sampling.calculate_log_probs
+        partial = [(rid, sofar, sofar_lps if with_lps else None) for rid, _, sofar, sofar_lps in self._waiting]
+        self._waiting = []
+        return partial
 
-def make_core(backend, sampling: SamplingConfig, max_batch: int | None = None) -> EngineCore:
-    """The request-level core of a rollout backend (vLLM or HF)."""
+
+# Partial rollouts on the HF backend: tokens a request samples between two chances to take new weights.
+HF_RESUMABLE_STEP_TOKENS = 16
+
+
+def make_core(backend, sampling: SamplingConfig, max_batch: int | None = None, resumable: bool = False) -> EngineCore:
+    """The request-level core of a rollout backend (vLLM or HF); `resumable`: one that can be
+    interrupted between steps (partial rollouts)."""
     if hasattr(backend, "llm"):
-        return VLLMCore(backend, sampling)
+        return VLLMCore(backend, sampling, resumable)
     if hasattr(backend, "generate_padded"):
-        return HFCore(backend, sampling, max_batch)
+        return HFCore(backend, sampling, max_batch, HF_RESUMABLE_STEP_TOKENS if resumable else None)
     raise TypeError(f"{type(backend).__name__} has no request-level core")
 
 
