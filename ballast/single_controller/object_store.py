@@ -11,7 +11,8 @@ through the driver, which only forwards the references.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -67,3 +68,48 @@ def iter_buckets(refs: Sequence[ray.ObjectRef]) -> Iterator[Tuple[str, torch.Ten
         bucket = ray.get(ref)
         yield from bucket
         del bucket
+
+
+@ray.remote(num_cpus=0)
+class WeightMailbox:
+    """The newest exported weights, where rollout workers look for them during a generation (partial
+    rollouts: `trainer.v1.separate_async.partial_rollout`). The driver posts every export; a worker
+    asks for anything newer than what it serves. Only the newest export is kept (its buckets stay in
+    the object store while referenced here or by a worker loading them)."""
+
+    def __init__(self) -> None:
+        self._latest: Optional[StoredWeights] = None
+
+    def post(self, weights: StoredWeights) -> None:
+        if self._latest is None or weights.version > self._latest.version:
+            self._latest = weights
+
+    def newer_than(self, version: int) -> Optional[StoredWeights]:
+        latest = self._latest
+        return latest if latest is not None and latest.version > version else None
+
+
+class MailboxUpdates:
+    """A rollout worker's view of a `WeightMailbox` during one generate call, in the shape the resuming
+    engine core asks for (`ballast.workers.rollout.resume.WeightUpdates`). The mailbox is asked at most
+    every `poll_interval_s`: an engine step is far shorter than a training step, so a new version is
+    seen within one interval of its export at a cost of one small actor call per interval."""
+
+    def __init__(self, mailbox, version: int, load: Callable[[StoredWeights], None], poll_interval_s: float = 0.05):
+        self.mailbox, self.version, self._load = mailbox, version, load
+        self.poll_interval_s = poll_interval_s
+        self._last_poll = float("-inf")
+        self.loads = 0
+
+    def newer(self) -> Optional[StoredWeights]:
+        now = time.monotonic()
+        if now - self._last_poll < self.poll_interval_s:
+            return None
+        self._last_poll = now
+        return ray.get(self.mailbox.newer_than.remote(self.version))
+
+    def load(self, weights: StoredWeights) -> int:
+        self._load(weights)
+        self.version = weights.version
+        self.loads += 1
+        return self.version

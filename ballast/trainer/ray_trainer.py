@@ -57,7 +57,7 @@ from ballast.trainer.step.metrics import data_metrics, rollout_probs_diff_metric
 from ballast.trainer.step.monitor import BalanceMonitor, micro_batch_metrics, rank_load_metrics
 from ballast.trainer.step.old_log_probs import OldLogProbPhase, old_log_prob_metrics
 from ballast.trainer.step.plans import StepPlanner, epoch_partitions, plan_metrics, row_lengths
-from ballast.workers.actor_rollout_ref import GENERATE_SECONDS_METRIC, UPDATE_WEIGHTS_METRIC
+from ballast.workers.actor_rollout_ref import GENERATE_SECONDS_METRIC, PARTIAL_LOADS_METRIC, UPDATE_WEIGHTS_METRIC
 from ballast.workers.sync_check import METRIC_PREFIX as SYNC_CHECK_PREFIX
 from ballast.workers.agent_loop.metrics import agent_metrics
 from ballast.workers.rollout.base import validation_call_index
@@ -101,7 +101,8 @@ class RayPPOTrainer:
         self._pending_metrics: Dict[str, float] = {}  # measured after a step's row was logged
         self._step_clock = time.perf_counter()
         self.rollouts = RolloutPipeline(self.launch_rollout, self.finish_rollout, staleness_bound(cfg), self.total_steps)
-        self.rollout_weights = RolloutWeights(workers)  # separate_async: the weights travel to the rollout pool
+        # separate_async: the weights travel to the rollout pool
+        self.rollout_weights = RolloutWeights(workers, cfg.trainer.v1.separate_async.partial_rollout)
         self.monitor = BalanceMonitor(tracker, self.total_steps, cfg.trainer.enable_monitor,
                                       cfg.trainer.monitor_interval, sizes.actor.token_budget(sizes.actor.train))
         self.resumed_from: Optional[str] = None  # the checkpoint `resume` loaded
@@ -242,7 +243,8 @@ class RayPPOTrainer:
         without waiting (main thread: this fixes the weights that generate them, see RolloutPipeline)."""
         prompts = self.data.next_prompts(step)
         batch = prompts.repeat(self.cfg.actor_rollout_ref.rollout.n, interleave=True)
-        future = self.rollout_weights.call(self.workers.generator.submit, "generate_sequences", batch, call_index=step)
+        future = self.rollout_weights.call(self.workers.generator.submit, "generate_sequences", batch, call_index=step,
+                                           interruptible=True)
         return PendingRollout(step, self._weights_version, future, time.perf_counter())
 
     def finish_rollout(self, pending: PendingRollout) -> Rollout:
@@ -284,7 +286,8 @@ class RayPPOTrainer:
             with _timer(rollout.timing, "gen"):
                 more = prompts.repeat(self.cfg.actor_rollout_ref.rollout.n, interleave=True)
                 out = self.rollout_weights.call(self.workers.generator.generate_sequences, more,
-                                                call_index=step + num_gen * EXTRA_GENERATION_CALL_STRIDE)
+                                                call_index=step + num_gen * EXTRA_GENERATION_CALL_STRIDE,
+                                                interruptible=True)
                 batch = self._generated(out, rollout.timing, rollout.metrics)
             with _timer(rollout.timing, "reward"):
                 extras = self._score(batch, step)
@@ -299,7 +302,8 @@ class RayPPOTrainer:
         sync_s = max(out.metrics.get(UPDATE_WEIGHTS_METRIC, []), default=0.0)
         if sync_s:
             timing["update_weights"] = timing.get("update_weights", 0.0) + sync_s
-        metrics.update({k: max(v) for k, v in out.metrics.items() if k.startswith(SYNC_CHECK_PREFIX) and v})
+        metrics.update({k: max(v) for k, v in out.metrics.items()
+                        if (k.startswith(SYNC_CHECK_PREFIX) or k == PARTIAL_LOADS_METRIC) and v})
         busy = out.metrics.get(GENERATE_SECONDS_METRIC)
         if busy:
             timing["gen_workers"] = timing.get("gen_workers", 0.0) + max(busy)

@@ -24,7 +24,9 @@ from ballast.engine.dist import init_distributed, resolve_device_type
 from ballast.engine.parallelize import compute_dtype
 from ballast.protocol import Batch, Output
 from ballast.single_controller import Dispatch, Worker, register
-from ballast.single_controller.object_store import DEFAULT_BUCKET_BYTES, StoredWeights, iter_buckets, put_buckets
+from ballast.single_controller.object_store import (
+    DEFAULT_BUCKET_BYTES, MailboxUpdates, StoredWeights, iter_buckets, put_buckets,
+)
 from ballast.engine import MiniBatchPlan, PhasePlan
 from ballast.workers.on_policy import OldLogProbMode, SelfOldLogProbLoss, rows_after_first
 from ballast.workers.perf import mfu_metrics, peak_flops
@@ -39,6 +41,7 @@ from ballast.workers.sync_check import SyncCheck, check_against_trainer, check_t
 from ballast.workers.train_loop import UpdateResult, run_train_loop
 
 UPDATE_WEIGHTS_METRIC = "timing_s/update_weights"
+PARTIAL_LOADS_METRIC = "rollout/partial/weight_loads"
 GENERATE_SECONDS_METRIC = "timing_s/generate_on_worker"  # the call's own seconds (sync + generation)
 
 ENGINE_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
@@ -73,6 +76,7 @@ class ActorRolloutRefWorker(Worker):
         self._weights_stale = False
         self._sync_mode = SyncMode.FULL
         self._check: Optional[SyncCheck] = None  # the weight-sync check (None: off)
+        self._served_version = -1  # a rollout pool of its own: the weight version the engine serves
         self._peak_flops = None  # measured in init_model, for perf/mfu/*
 
     @register(Dispatch.ONE_TO_ALL)
@@ -126,19 +130,32 @@ class ActorRolloutRefWorker(Worker):
     # ------------------------------------------------------------------ rollout
     @register(Dispatch.DP_COMPUTE_PROTO, pad=True)
     def generate_sequences(self, prompts: Batch, call_index: Optional[int] = None, validate: bool = False,
-                           weights: Optional[StoredWeights] = None) -> Output:
+                           weights: Optional[StoredWeights] = None, updates=None) -> Output:
         """Prompts (left-padded) -> prompts + responses. `call_index` enters every sampling seed;
         `validate` switches to the validation sampling parameters; `weights` (a rollout pool of its own)
-        are loaded first. Metrics: the weight sync's seconds (`timing_s/update_weights`) when this call
-        synced."""
+        are loaded first, unless the engine already serves them or newer. `updates` (partial rollouts: a
+        `WeightMailbox`) is where newer weights are looked for during the call; they interrupt the turns
+        in flight, which resume under them. Metrics: the weight syncs' seconds (`timing_s/update_weights`)
+        when this call synced, and how many syncs landed mid-call (`rollout/partial/weight_loads`)."""
         if self.rollout is None:
             raise ValueError(f"worker rank {self.rank} has no rollout role")
         call_start = time.perf_counter()
+        if weights is not None and weights.version <= self._served_version:
+            weights = None  # loaded during an earlier call (partial rollouts)
         metrics = self._load_stored(weights) if weights is not None else self._sync_from_actor()
         sampling = self.spec.rollout_val_sampling if validate else None
         non_tensors = dict(prompts.non_tensors)
+        if updates is not None and self._agents is None:
+            raise ValueError("partial rollouts need the request-level rollout (actor_rollout_ref.rollout.mode=async)")
         if self._agents is not None:  # request-level rollout: one agent loop per row, all concurrent
-            result = tp_agent_generate(self._agents, prompts, self._tp_group, sampling, call_index=call_index)
+            midway: Dict[str, list] = {}
+            source = None if updates is None else MailboxUpdates(
+                updates, self._served_version, lambda w: _add_metrics(midway, self._load_stored(w)))
+            result = tp_agent_generate(self._agents, prompts, self._tp_group, sampling, call_index=call_index,
+                                       updates=source)
+            if source is not None:
+                _add_metrics(metrics, midway)
+                metrics[PARTIAL_LOADS_METRIC] = [float(source.loads)]
             out = result.tensors
             non_tensors.update(result.columns)
         else:
@@ -178,6 +195,7 @@ class ActorRolloutRefWorker(Worker):
         if loaded != weights.num_tensors:
             raise RuntimeError(f"rollout rank {self.rank} loaded {loaded} of the {weights.num_tensors} exported tensors")
         metrics: Dict[str, list] = {UPDATE_WEIGHTS_METRIC: [time.perf_counter() - start]}
+        self._served_version = weights.version
         if weights.probe_log_probs is not None:
             start = time.perf_counter()
             tolerance = check_tolerance(self.spec.weight_sync.check_tolerance, self.rollout.config.resolved_dtype(),
@@ -314,3 +332,12 @@ class ActorRolloutRefWorker(Worker):
         for _, tensor in self._require(self.actor, "actor").iter_full_state_dict():
             total += float(tensor.float().abs().sum())
         return total
+
+
+def _add_metrics(into: Dict[str, list], more: Dict[str, list]) -> None:
+    """Fold one weight load's metrics into a call's: seconds add up, the check's errors keep the worst."""
+    for key, values in more.items():
+        if key in into:
+            combine = sum if key == UPDATE_WEIGHTS_METRIC or key.endswith("/seconds") else max
+            values = [combine([*into[key], *values])]
+        into[key] = list(values)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from ballast.workers.agent_loop import AgentContext, ChatFormat, MultiTurnConfig
+from ballast.workers.agent_loop import AgentContext, AgentLoop, ChatFormat, MultiTurnConfig, StopReason, Transcript
 from ballast.workers.rollout.async_engine import TurnOutput, TurnRequest
 from ballast.workers.rollout.base import SamplingConfig
 from ballast.tools import ToolExecutor
@@ -123,3 +123,23 @@ def register_inserting_loop():
             return t.output(StopReason.ANSWER, num_turns=5, info={"assistant_turns": 3.0})
 
     return _Inserting
+
+
+WAIT_S = 1.0
+
+
+class WaitingLoop(AgentLoop):
+    """Three sampled turns of at most 6 tokens with INSERTED ids between them, each after a WAIT_S pause
+    standing in for a slow tool (`agent_loop_config_path`: `_target_: testkit.agent.WaitingLoop`). A
+    generation call then lasts ~2 x WAIT_S whatever the model, so a trainer update lands while its
+    conversations are in flight (partial rollouts)."""
+
+    async def run(self, sample):
+        t = Transcript(sample.prompt_ids, with_log_probs=self.ctx.sampling.calculate_log_probs)
+        for turn in range(3):
+            if turn:
+                await asyncio.sleep(WAIT_S)
+                t.add_inserted(INSERTED)
+            out = await self.ctx.engine.generate(TurnRequest(t.ids, 6, sample.seed(turn)))
+            t.add_sampled(out.token_ids, out.log_probs, out.versions)
+        return t.output(StopReason.ANSWER, num_turns=5, info={"assistant_turns": 3.0})

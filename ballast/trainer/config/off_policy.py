@@ -126,3 +126,24 @@ def check_split_pools(cfg) -> None:
             f"data.train_batch_size={cfg.data.train_batch_size} must equal trainer.v1.separate_async.parameter_sync_step="
             f"{sep.parameter_sync_step} x actor_rollout_ref.actor.ppo_mini_batch_size={arr.actor.ppo_mini_batch_size} "
             "(verl's rule: the weights reach the rollout pool once per training batch)")
+    if sep.partial_rollout:
+        check_partial_rollout(cfg)
+
+
+PARTIAL_KEY = "trainer.v1.separate_async.partial_rollout"
+
+
+def check_partial_rollout(cfg) -> None:
+    """What partial rollouts need: generations in flight while the trainer updates (k >= 1) and the
+    request-level rollout without tensor parallelism (the turns are interrupted one request at a time)."""
+    r = cfg.actor_rollout_ref.rollout
+    k = staleness_bound(cfg)
+    if k < 1:
+        raise ConfigError(f"{PARTIAL_KEY}=true with {ahead_key('separate_async')}={k}: nothing is being generated "
+                          "while the trainer updates, so no generation can be interrupted; set it >= 1")
+    if r.mode != "async":
+        raise ConfigError(f"{PARTIAL_KEY}=true needs actor_rollout_ref.rollout.mode=async (request-level rollout: "
+                          f"requests are interrupted and resumed one by one), got mode={r.mode}")
+    if r.tensor_model_parallel_size != 1:
+        raise ConfigError(f"{PARTIAL_KEY}=true needs actor_rollout_ref.rollout.tensor_model_parallel_size=1, got "
+                          f"{r.tensor_model_parallel_size} (a TP group cannot yet switch weights mid-generation)")

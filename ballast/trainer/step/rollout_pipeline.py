@@ -37,7 +37,8 @@ import numpy as np
 
 from ballast.protocol import Batch
 
-STALENESS = "training/off_policy/trajectory_staleness"
+OFF_POLICY = "training/off_policy"
+STALENESS = f"{OFF_POLICY}/trajectory_staleness"
 
 
 @dataclass
@@ -181,11 +182,36 @@ def idle_metrics(timing: Dict[str, float]) -> Dict[str, float]:
 
 
 def staleness_metrics(rollout: Rollout, step: int) -> Dict[str, float]:
-    """verl's off-policy metrics: how many updates behind the policy being trained each sample's
-    generating weights were (no partial rollouts: a sample's tokens share one version)."""
-    age = ((step - 1) - rollout.row_versions()).astype(np.float64)
-    return {f"{STALENESS}/mean": float(age.mean()), f"{STALENESS}/max": float(age.max()),
-            f"{STALENESS}/min": float(age.min())}
+    """verl's off-policy metrics, per sample. A sample's tokens were sampled by the weight versions
+    [low, high] (one version unless partial rollouts resumed it under newer weights): `trajectory_
+    staleness` counts the updates between its freshest weights and the policy trained at this step
+    (verl's primary figure), `trajectory_staleness_worst` those from its oldest, `trajectory_spans` the
+    versions it spans."""
+    tokens = rollout.batch["rollout_versions"] if "rollout_versions" in rollout.batch.tensor_keys else None
+    low, high = version_range(rollout.row_versions(), None if tokens is None else tokens.numpy())
+    trained = step - 1
+    out: Dict[str, float] = {}
+    for name, values in (("trajectory_staleness", trained - high), ("trajectory_staleness_worst", trained - low),
+                         ("trajectory_spans", high - low + 1)):
+        values = values.astype(np.float64)
+        out.update({f"{OFF_POLICY}/{name}/mean": float(values.mean()), f"{OFF_POLICY}/{name}/max": float(values.max()),
+                    f"{OFF_POLICY}/{name}/min": float(values.min())})
+    return out
+
+
+def version_range(row_versions: np.ndarray, token_versions: Optional[np.ndarray]) -> Tuple[np.ndarray, np.ndarray]:
+    """Per row, the oldest and newest weight version that sampled its tokens. `token_versions` (rows x
+    response tokens, -1 where the model sampled nothing) comes with partial rollouts; a row without
+    any, or without the array, has its generation call's version."""
+    low, high = row_versions.astype(np.int64), row_versions.astype(np.int64)
+    if token_versions is None:
+        return low, high
+    sampled = token_versions >= 0
+    has = sampled.any(axis=1)
+    big = np.iinfo(np.int64).max
+    low = np.where(has, np.where(sampled, token_versions, big).min(axis=1), low)
+    high = np.where(has, np.where(sampled, token_versions, -1).max(axis=1), high)
+    return low, high
 
 
 AHEAD_FILE = "rollouts_ahead.pkl"

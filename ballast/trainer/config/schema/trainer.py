@@ -27,6 +27,10 @@ class SeparateAsyncConfig:
     parameter_sync_step: int
     """verl's mini-batch updates between weight syncs into the rollout pool; Ballast syncs once per step,
     so it must equal `data.train_batch_size / actor_rollout_ref.actor.ppo_mini_batch_size` (verl's rule)."""
+    partial_rollout: bool = False
+    """Weights that reach the rollout pool during a generation interrupt the requests in flight, which
+    resume under them (each token's weight version is recorded); needs `rollout.mode=async`. verl's
+    fully asynchronous trainer names this `async_training.partial_rollout`."""
 
 
 @dataclass(frozen=True)

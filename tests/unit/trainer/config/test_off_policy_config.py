@@ -101,6 +101,28 @@ def test_separate_pools_rules_name_the_keys(change, message):
         derive_sizes(cfg)
 
 
+PARTIAL = [*SPLIT, "trainer.v1.separate_async.partial_rollout=true", "actor_rollout_ref.rollout.mode=async"]
+
+
+def test_partial_rollouts_are_off_by_default_and_accepted_with_their_needs():
+    assert not _load(*SPLIT).trainer.v1.separate_async.partial_rollout
+    cfg = _load(*PARTIAL)
+    check_rules(cfg)
+    assert cfg.trainer.v1.separate_async.partial_rollout and cfg.algorithm.rollout_correction.bypass_mode
+
+
+@pytest.mark.parametrize("change, message", [
+    ("trainer.v1.separate_async.num_warmup_batches=0",
+     "partial_rollout=true with trainer.v1.separate_async.num_warmup_batches=0: nothing is being generated"),
+    ("actor_rollout_ref.rollout.mode=sync", "partial_rollout=true needs actor_rollout_ref.rollout.mode=async"),
+    ("actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+     "partial_rollout=true needs actor_rollout_ref.rollout.tensor_model_parallel_size=1, got 2"),
+])
+def test_partial_rollout_rules_name_the_keys(change, message):
+    with pytest.raises(ConfigError, match=message):
+        check_rules(_load(*PARTIAL, change))
+
+
 def test_split_resources_without_separate_async_are_refused():
     with pytest.raises(ConfigError, match="hybrid_engine=False with trainer.v1.trainer_mode=colocate_async"):
         check_rules(_load("trainer.v1.trainer_mode=colocate_async", "actor_rollout_ref.hybrid_engine=False"))

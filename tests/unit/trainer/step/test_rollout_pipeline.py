@@ -153,3 +153,21 @@ def test_a_checkpoint_keeps_the_rollouts_ahead_before_a_failed_launch(tmp_path):
     assert pipeline.take(4)[0].step == 4
     with pytest.raises(LookupError, match="used up"):
         pipeline.take(5)
+
+
+def test_partial_rollouts_stale_by_their_freshest_token_worst_by_their_oldest_with_their_spans():
+    """Step 6 trains on a batch launched with version 3 whose rows were resumed under 4 and 5: verl's
+    three figures per sample; a row whose model sampled nothing keeps its call's version."""
+    versions = torch.tensor([[3, 3, 4, 5, -1],    # spans 3..5
+                             [3, 3, 3, -1, -1],   # never interrupted
+                             [4, 4, -1, -1, -1],  # added after the update to 4 (not started before it)
+                             [-1, -1, -1, -1, -1]])
+    ages = staleness_metrics(Rollout(6, 3, Batch({"rollout_versions": versions})), 6)
+    stale, worst, spans = (f"training/off_policy/{k}" for k in ("trajectory_staleness", "trajectory_staleness_worst",
+                                                               "trajectory_spans"))
+    # freshest versions 5, 3, 4, 3 -> ages 0, 2, 1, 2; oldest 3, 3, 4, 3 -> 2, 2, 1, 2; spans 3, 1, 1, 1
+    assert (ages[f"{stale}/min"], ages[f"{stale}/max"], ages[f"{stale}/mean"]) == (0.0, 2.0, 1.25)
+    assert (ages[f"{worst}/min"], ages[f"{worst}/max"], ages[f"{worst}/mean"]) == (1.0, 2.0, 1.75)
+    assert (ages[f"{spans}/min"], ages[f"{spans}/max"], ages[f"{spans}/mean"]) == (1.0, 3.0, 1.5)
+    whole = staleness_metrics(Rollout(6, 3, Batch({"x": torch.zeros(4, 1)})), 6)
+    assert whole[f"{spans}/max"] == 1.0 and whole[f"{stale}/mean"] == whole[f"{worst}/mean"] == 2.0
