@@ -115,3 +115,69 @@ def test_weight_sync_reaches_async_rollouts(engine, runner, model_dir):
     finally:
         model.load_state_dict(original)
         load_weights(engine, iter_full_tensors(model))
+
+
+def test_an_update_mid_request_resumes_it_under_the_new_weights_vllm(engine, model_dir):
+    """Partial rollouts on vLLM: new weights arrive after a few engine steps; every request keeps the
+    tokens the old weights sampled, re-reads its prefix under the new ones and continues greedily from
+    it; each token's log-prob is its own version's (teacher forcing) and its version is recorded."""
+    from transformers import AutoModelForCausalLM
+
+    from ballast.workers.rollout.resume import ResumingCore
+
+    budget = 12
+    sampling = SamplingConfig(max_response_length=budget, seed=3, do_sample=False, calculate_log_probs=True,
+                              ignore_eos=True)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    v0 = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    v1 = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def load(state):
+        model.load_state_dict(state)
+        load_weights(engine, iter_full_tensors(model))
+
+    class Updates:
+        version, polls = 0, 0
+
+        def newer(self):
+            self.polls += 1
+            return v1 if self.polls == 4 else None  # before the 4th engine step
+
+        def load(self, state):
+            load(state)
+            self.version = 1
+            return 1
+
+    prompts = PROMPTS[:4]
+    try:
+        core = ResumingCore(make_core(engine, sampling, resumable=True), Updates())
+        for i, p in enumerate(prompts):
+            core.add(f"r{i}", TurnRequest(p, budget))
+        done = {}
+        while core.has_unfinished():
+            done.update(core.step())
+        outs = [done[f"r{i}"] for i in range(len(prompts))]
+        heads = {out.versions.count(0) for out in outs}
+        assert len(heads) == 1 and 0 < next(iter(heads)) < budget, heads  # all in flight for the same steps
+        head = heads.pop()
+        for out in outs:
+            assert out.versions == (0,) * head + (1,) * (budget - head) and len(out.token_ids) == budget
+        # the tail is the new weights' greedy continuation of prompt + head
+        continued = engine.generate(left_padded_prompts([p + list(o.token_ids[:head]) for p, o in zip(prompts, outs)]),
+                                    SamplingConfig(max_response_length=budget - head, do_sample=False,
+                                                   ignore_eos=True))
+        for row, out in enumerate(outs):
+            assert list(out.token_ids[head:]) == continued["responses"][row].tolist()
+        sequences = [p + list(o.token_ids) for p, o in zip(prompts, outs)]
+        new_lps = engine.prompt_log_probs(sequences)
+        load(v0)
+        old_lps = engine.prompt_log_probs(sequences)
+        for out, old, new in zip(outs, old_lps, new_lps):
+            lps = torch.tensor(out.log_probs)
+            assert torch.allclose(lps[:head], old[-budget:][:head], atol=1e-4)
+            assert torch.allclose(lps[head:], new[-budget:][head:], atol=1e-4)
+    finally:
+        load(v0)
