@@ -18,6 +18,15 @@ Two measurements, each a set of whole `python -m ballast.trainer.main --config-n
     python benchmarks/off_policy_bench.py --case io --json outputs/off_policy_io.json
     python benchmarks/off_policy_bench.py --case learn --json outputs/off_policy_learn.json
 
+* `--case partial` (partial rollouts): split pools, one batch ahead, request-level rollout whose
+  conversations wait `--tool-s` on a stand-in tool between three sampled turns (so the trainer's update
+  lands while they are in flight), with `trainer.v1.separate_async.partial_rollout` off and on,
+  interleaved `--repeats` times: step time, how stale the tokens are (verl's trajectory_staleness from
+  each sample's freshest tokens, _worst from its oldest, spans), the rollout-vs-trainer mismatch
+  (`rollout_corr/k3_kl`) and the mid-call weight loads.
+
+    python benchmarks/off_policy_bench.py --case partial --json outputs/off_policy_partial.json
+
 * `--case model --metrics RUN/metrics.jsonl`: the speed-up model of docs/off_policy.md applied to
   a synchronous run's own phase times (any run: GPU or CPU, any size): the predicted step time and
   ratio with batches generated ahead on the same workers.
@@ -48,6 +57,25 @@ _PER_SAMPLE_S = float(os.environ["BALLAST_BENCH_REWARD_S_PER_SAMPLE"])
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     time.sleep(_PER_SAMPLE_S)  # a verifier service's round trip: the driver waits, its CPU is idle
     return default_compute_score(data_source, solution_str, ground_truth, extra_info)
+"""
+WAITING_LOOP_FILE = """\
+import asyncio, os
+from ballast.workers.agent_loop import AgentLoop, StopReason, Transcript
+from ballast.workers.rollout.async_engine import TurnRequest
+_TOOL_S = float(os.environ["BALLAST_BENCH_TOOL_S"])
+class BenchWaitingLoop(AgentLoop):
+    async def run(self, sample):  # three sampled turns; a stand-in tool call between them
+        t = Transcript(sample.prompt_ids, with_log_probs=self.ctx.sampling.calculate_log_probs)
+        for turn in range(3):
+            if turn:
+                await asyncio.sleep(_TOOL_S)
+                t.add_inserted(self.ctx.stop_ids[:1])
+            budget = min(self.ctx.budget(t), self.ctx.response_length // 4)
+            if budget < 1:
+                break
+            out = await self.ctx.engine.generate(TurnRequest(t.ids, budget, sample.seed(turn)))
+            t.add_sampled(out.token_ids, out.log_probs, out.versions)
+        return t.output(StopReason.ANSWER, num_turns=5, info={"assistant_turns": 3.0})
 """
 PHASES = ("step", "wait_rollout", "gen", "gen_workers", "reward", "update_actor", "old_log_prob", "update_weights",
           "export_weights")
@@ -117,6 +145,41 @@ def io_case(args, log_dir: str) -> dict:
                      "warmup_steps": args.warmup, "overrides": args.override}, "variants": summary}
 
 
+def partial_case(args, log_dir: str) -> dict:
+    with open(os.path.join(log_dir, "bench_waiting_loop.py"), "w") as f:
+        f.write(WAITING_LOOP_FILE)
+    with open(os.path.join(log_dir, "loops.yaml"), "w") as f:
+        f.write("- name: bench_waiting\n  _target_: bench_waiting_loop.BenchWaitingLoop\n")
+    env = {"BALLAST_BENCH_TOOL_S": str(args.tool_s), "PYTHONPATH": os.pathsep.join([log_dir, ROOT])}
+    common = [f"trainer.total_training_steps={args.warmup + args.steps}", "trainer.test_freq=-1",
+              "trainer.val_before_train=false", f"data.train_batch_size={args.train_batch_size}",
+              f"actor_rollout_ref.rollout.n={args.n}", "actor_rollout_ref.rollout.mode=async",
+              f"actor_rollout_ref.rollout.agent.agent_loop_config_path={os.path.join(log_dir, 'loops.yaml')}",
+              "actor_rollout_ref.rollout.agent.default_agent_loop=bench_waiting",
+              *variant_overrides(1, True, args.train_batch_size), *args.override]
+    keys = {"s_per_step": "timing_s/step", "gen_s": "timing_s/gen", "update_actor_s": "timing_s/update_actor",
+            "update_weights_s": "timing_s/update_weights", "k3_kl": "rollout_corr/k3_kl",
+            "staleness_mean": "training/off_policy/trajectory_staleness/mean",
+            "staleness_worst_mean": "training/off_policy/trajectory_staleness_worst/mean",
+            "spans_mean": "training/off_policy/trajectory_spans/mean",
+            "mid_call_weight_loads": "rollout/partial/weight_loads"}
+    runs: Dict[str, List[dict]] = {"partial_off": [], "partial_on": []}
+    for r in range(args.repeats):
+        for name in runs:
+            flag = f"trainer.v1.separate_async.partial_rollout={name == 'partial_on'}"
+            rows = [row for row in run(f"partial_{name}_r{r}", common + [flag], log_dir, env)
+                    if "timing_s/step" in row][args.warmup:]
+            runs[name].append({k: statistics.mean(row.get(key, 0.0) for row in rows) for k, key in keys.items()})
+    summary = {name: {"median": {k: statistics.median(rep[k] for rep in reps) for k in keys}, "repeats": reps}
+               for name, reps in runs.items()}
+    summary["step_ratio_on_vs_off"] = summary["partial_on"]["median"]["s_per_step"] / \
+        summary["partial_off"]["median"]["s_per_step"]
+    return {"work": {"config": "quickstart", "placement": "separate_async k=1, 1 trainer + 1 rollout worker",
+                     "rollout": "async, 3 sampled turns per conversation", "tool_s": args.tool_s,
+                     "train_batch_size": args.train_batch_size, "n": args.n, "steps_measured": args.steps,
+                     "warmup_steps": args.warmup, "overrides": args.override}, "variants": summary}
+
+
 def learn_case(args, log_dir: str) -> dict:
     results: Dict[str, dict] = {}
     for seed in args.seeds:
@@ -162,7 +225,7 @@ def model_case(args) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--case", choices=("io", "learn", "model"), default="io")
+    p.add_argument("--case", choices=("io", "learn", "model", "partial"), default="io")
     p.add_argument("--metrics", help="model: a synchronous run's metrics.jsonl")
     p.add_argument("--override", action="append", default=[],
                    help="io: an extra hydra override for every run (e.g. actor_rollout_ref.rollout.ignore_eos=True, "
@@ -172,6 +235,7 @@ def main() -> None:
     p.add_argument("--split-ahead", type=lambda s: [int(x) for x in s.split(",")], default=[],
                    help="io: also run separate_async (split pools) with these k")
     p.add_argument("--latency-s", type=float, default=1.0, help="io: reward latency per batch")
+    p.add_argument("--tool-s", type=float, default=0.5, help="partial: the stand-in tool's seconds per call")
     p.add_argument("--train-batch-size", type=int, default=16)
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
@@ -190,7 +254,8 @@ def main() -> None:
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "machine": {"platform": platform.platform(), "cpu": cpu_info(), "load_avg_start": os.getloadavg()},
               "case": args.case}
-    result.update(io_case(args, log_dir) if args.case == "io" else learn_case(args, log_dir))
+    cases = {"io": io_case, "learn": learn_case, "partial": partial_case}
+    result.update(cases[args.case](args, log_dir))
     result["machine"]["load_avg_end"] = os.getloadavg()
     text = json.dumps(result, indent=1)
     if args.json:
