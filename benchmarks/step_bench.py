@@ -27,7 +27,9 @@ gives LoRA against the full fine-tune on the same work (step, update, weight-syn
 worker's peak resident memory, paired per repeat) and against TRL+PEFT. `--lora-lr` sets its learning
 rate (default: the case's).
 
-Each system trains `--warmup + --steps` steps; s/step is the median over the last `--steps`. Ballast's
+Each system trains `--warmup + --steps` steps; s/step is the median over the last `--steps`
+(`--tail-steps N`: Ballast trains N more, unmeasured, so that the window of a run that generates
+batches ahead holds no end-of-run step). Ballast's
 phases are the medians of its own `timing_s/*` metrics. MFU: update FLOPs (3 x forward FLOPs of the
 step's tokens, from the model's config) / (update seconds x peak), peak = `--workers` x the best
 single-thread fp32 matmul rate measured here before the runs. `--variant NAME=override,override`
@@ -178,14 +180,15 @@ def ballast_overrides(case: Case, steps: int, workers: int, out_dir: str) -> Lis
     return overrides + case.extra_overrides
 
 
-def run_ballast(case: Case, warmup: int, steps: int, workers: int, overrides: List[str], log_dir: str) -> dict:
+def run_ballast(case: Case, warmup: int, steps: int, workers: int, overrides: List[str], log_dir: str,
+                tail: int = 0) -> dict:
     # "@PATH" runs the Ballast source tree at PATH (e.g. an export of an older commit) for an A/B.
     root = next((o[1:] for o in overrides if o.startswith("@")), ROOT)
     overrides = [o for o in overrides if not o.startswith("@")]
     with tempfile.TemporaryDirectory(prefix="step_bench_") as tmp:
         out_dir = os.path.join(tmp, "run")
         cmd = [sys.executable, "-m", "ballast.trainer.main", "--config-name", "quickstart",
-               *ballast_overrides(case, warmup + steps, workers, out_dir), *overrides]
+               *ballast_overrides(case, warmup + steps + tail, workers, out_dir), *overrides]
         log = os.path.join(log_dir, f"ballast_{case.name}_{int(time.time())}.log")
         start = time.perf_counter()
         with open(log, "w") as f:
@@ -196,7 +199,7 @@ def run_ballast(case: Case, warmup: int, steps: int, workers: int, overrides: Li
             raise RuntimeError(f"ballast run failed (exit {proc.returncode}); see {log}")
         with open(os.path.join(out_dir, "metrics.jsonl")) as f:
             rows = [json.loads(line) for line in f if line.strip()]
-    rows = [r for r in rows if "timing_s/step" in r]
+    rows = [r for r in rows if "timing_s/step" in r][: warmup + steps]  # --tail-steps are not measured
     whole = whole_run([r["timing_s/step"] for r in rows])
     rows = rows[warmup:]
     med = lambda key: statistics.median(r.get(key, 0.0) for r in rows)  # noqa: E731
@@ -444,6 +447,9 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--tail-steps", type=int, default=0,
+                   help="Ballast runs this many steps after the window, unmeasured: with batches generated "
+                        "ahead a run's last steps generate nothing ahead, so they are not steady-state steps")
     p.add_argument("--whole-run", action="store_true",
                    help="run each case for a whole run (quickstart 120 steps, real --real-whole-run-steps); the "
                         "window is still the steps after --warmup, `whole_run` covers every step")
@@ -511,7 +517,8 @@ def main() -> None:
                 if "ballast" in systems:
                     try:
                         peak = matmul_peak_flops(1) * args.workers
-                        r = run_ballast(case, args.warmup, steps, args.workers, overrides, args.log_dir)
+                        r = run_ballast(case, args.warmup, steps, args.workers, overrides, args.log_dir,
+                                        args.tail_steps)
                         r["peak_flops_total"] = peak
                     except RuntimeError as err:  # e.g. killed by a memory-starved shared machine
                         print(f"[{case.name}] ballast/{name} rep {rep} FAILED: {err}", flush=True)
