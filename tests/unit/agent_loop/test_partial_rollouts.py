@@ -131,3 +131,21 @@ def test_the_runner_returns_every_sampled_tokens_version_and_keeps_the_budgets(b
         assert len(v) == BUDGET
     plain = runner.generate(prompts, backend.config.sampling, call_index=1).tensors
     assert "rollout_versions" not in plain.keys()
+
+
+def test_a_failed_load_mid_call_fails_the_call_naming_it_and_nothing_hangs(backend, tiny_dir):
+    class Broken:
+        version = 0
+
+        def newer(self):
+            return "v1"
+
+        def load(self, weights):
+            raise RuntimeError("rollout rank 0 loaded 3 of the 12 exported tensors")
+
+    runner = AgentLoopRunner(backend, AgentLoopSpec(tokenizer_path=tiny_dir, prompt_length=16, response_length=BUDGET))
+    prompts = Batch(left_padded_prompts(PROMPTS, position_ids=True))
+    with pytest.raises(RuntimeError, match="loaded 3 of the 12 exported tensors"):
+        runner.generate(prompts, backend.config.sampling, call_index=1, updates=Broken())
+    again = runner.generate(prompts, backend.config.sampling, call_index=1)  # the backend still serves
+    assert again.tensors["responses"].shape[0] == len(PROMPTS)
