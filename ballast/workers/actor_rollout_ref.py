@@ -139,14 +139,14 @@ class ActorRolloutRefWorker(Worker):
         when this call synced, and how many syncs landed mid-call (`rollout/partial/weight_loads`)."""
         if self.rollout is None:
             raise ValueError(f"worker rank {self.rank} has no rollout role")
+        if updates is not None and self._agents is None:
+            raise ValueError("partial rollouts need the request-level rollout (actor_rollout_ref.rollout.mode=async)")
         call_start = time.perf_counter()
         if weights is not None and weights.version <= self._served_version:
             weights = None  # loaded during an earlier call (partial rollouts)
         metrics = self._load_stored(weights) if weights is not None else self._sync_from_actor()
         sampling = self.spec.rollout_val_sampling if validate else None
         non_tensors = dict(prompts.non_tensors)
-        if updates is not None and self._agents is None:
-            raise ValueError("partial rollouts need the request-level rollout (actor_rollout_ref.rollout.mode=async)")
         if self._agents is not None:  # request-level rollout: one agent loop per row, all concurrent
             midway: Dict[str, list] = {}
             source = None if updates is None else MailboxUpdates(
