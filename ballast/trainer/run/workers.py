@@ -113,8 +113,9 @@ def create_workers(cfg: BallastConfig, sizes: DerivedSizes, specs: WorkerSpecs) 
         workers.rollout.init_model()
         print(f"[ballast] separate_async: {actor.world_size} trainer and {workers.rollout.world_size} rollout "
               "worker(s) on separate pools; the weights reach the rollout through the object store after every "
-              "update" + (" (merged with the LoRA adapter)" if specs.actor_rollout_ref.actor.lora.enabled else ""),
-              flush=True)
+              "update" + (" (merged with the LoRA adapter)" if specs.actor_rollout_ref.actor.lora.enabled else "")
+              + ("; partial rollouts: new weights interrupt the generations in flight, which resume under them"
+                 if t.v1.separate_async.partial_rollout else ""), flush=True)
     return workers
 
 
