@@ -13,7 +13,7 @@ from testkit.e2e import SPLIT_POOLS
 OFF = "training/off_policy"
 
 
-def test_updates_land_mid_generation_and_every_token_knows_its_version(session, tmp_path):
+def test_updates_land_mid_generation_and_every_token_knows_its_version(session, tmp_path, capfd):
     loops = tmp_path / "loops.yaml"
     loops.write_text("- name: waiting\n  _target_: testkit.agent.WaitingLoop\n")
     extra = [*SPLIT_POOLS, "trainer.v1.separate_async.num_warmup_batches=1",
@@ -24,6 +24,7 @@ def test_updates_land_mid_generation_and_every_token_knows_its_version(session, 
     with session("partial", *extra) as trainer:
         assert trainer.correction.bypass  # stale tokens: corrected by default
         trainer.fit()
+    assert "partial rollouts: new weights interrupt the generations in flight" in capfd.readouterr().out
     rows = [json.loads(line) for line in open(os.path.join(tmp_path, "partial", "metrics.jsonl"))]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for r in rows:
