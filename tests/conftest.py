@@ -35,6 +35,9 @@ import pytest  # noqa: E402
 # The suite fails if it leaves a process or a Ray session directory behind (see testkit/leaks.py).
 from testkit.leaks import pytest_sessionfinish, pytest_sessionstart, pytest_testnodedown  # noqa: E402,F401
 
+# Bytecode for every process the suite starts, written once before the first (see testkit/bytecode.py).
+from testkit.bytecode import pytest_configure  # noqa: E402,F401
+
 # scripts/test.sh runs the suite on two pytest-xdist workers (see testkit/streams.py).
 from testkit.streams import pytest_xdist_make_scheduler  # noqa: E402,F401
 

@@ -23,23 +23,26 @@ def tiny_task(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def rollout_log_probs_run(tiny_task, e2e_ray, tmp_path_factory):
-    """Three steps of the default tiny GRPO with WITH_ROLLOUT_LOG_PROBS, run once for the session:
-    {"mode": the old-log-prob mode, "final": the last step's metrics, "rows": every step's logged
-    metrics, "fingerprint": the actor's final sum |w|}. Its users: the two-mini-batch old-log-prob
-    check, the resume test (the uninterrupted run), the async-rollout comparison (the batched run's
-    step 2) and the off-policy k=0 run (the synchronous trainer); a training session costs ~10 s."""
+    """Three steps of the default tiny GRPO with WITH_ROLLOUT_LOG_PROBS and a checkpoint every two steps
+    (steps 2 and 3; saving changes no weight and no logged value but its timing), run once for the
+    session: {"mode": the old-log-prob mode, "final": the last step's metrics, "rows": every step's
+    logged metrics, "fingerprint": the actor's final sum |w|, "dir": its run directory}. Its users: the
+    two-mini-batch old-log-prob check, the resume test (the uninterrupted run, and its step-2
+    checkpoint to resume from), the async-rollout comparison (the batched run's step 2) and the
+    off-policy k=0 run (the synchronous trainer); a training session costs ~10 s."""
     from ballast.trainer.config import load_config
     from ballast.trainer.main import prepare_typed, training_session
 
     path = run_dir(tmp_path_factory.mktemp("shared"), "rollout_log_probs")
-    cfg = load_config(overrides(tiny_task, path, *WITH_ROLLOUT_LOG_PROBS, "trainer.total_training_steps=3"))
+    cfg = load_config(overrides(tiny_task, path, *WITH_ROLLOUT_LOG_PROBS, "trainer.total_training_steps=3",
+                                "trainer.save_freq=2"))
     with training_session(prepare_typed(cfg)) as trainer:
         mode = trainer.old_log_probs.mode
         final = trainer.fit()
         fingerprint = trainer.workers.actor_rollout.actor_state_fingerprint()[0]
     with open(os.path.join(path, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    return {"mode": mode, "final": final, "rows": rows, "fingerprint": fingerprint}
+    return {"mode": mode, "final": final, "rows": rows, "fingerprint": fingerprint, "dir": path}
 
 
 @pytest.fixture()
