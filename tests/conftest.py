@@ -3,6 +3,7 @@ from being oversubscribed by thread pools."""
 
 import os
 import tempfile
+from pathlib import Path
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _CACHE = os.environ.setdefault("BALLAST_CACHE_DIR", os.path.join(_ROOT, ".cache"))
@@ -32,6 +33,8 @@ tempfile.tempdir = None
 
 import pytest  # noqa: E402
 
+TESTS_DIR = Path(__file__).resolve().parent
+
 # The suite fails if it leaves a process or a Ray session directory behind (see testkit/leaks.py).
 from testkit.leaks import pytest_sessionfinish, pytest_sessionstart, pytest_testnodedown  # noqa: E402,F401
 
@@ -53,8 +56,10 @@ def ray_session():
     if ray.is_initialized():  # a test module that manages its own cluster shut it down or kept it
         ray.shutdown()
     temp_dir = tempfile.mkdtemp(prefix="ray_", dir=ray_temp_root())
+    # tests/ on the workers' path too: e2e configs name test doubles by import path (`testkit.*`)
+    path = os.pathsep.join(p for p in (str(TESTS_DIR), os.environ.get("PYTHONPATH", "")) if p)
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, _temp_dir=temp_dir,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "PYTHONPATH": path}})
     yield ray
     RaySession(connected=True, temp_dir=temp_dir).stop()
 

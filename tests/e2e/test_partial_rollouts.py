@@ -2,18 +2,22 @@
 trainer's update lands while the rollout pool's conversations are in flight (each waits 1 s between
 its turns, like a slow tool), the rollout workers load the new weights from the mailbox mid-call and
 the conversations go on under them; every token carries the version that sampled it, so no sample is
-staler than the bound, spans show the switches, and the weight-sync check passes after every load."""
+staler than the bound, spans show the switches, and the weight-sync check passes after every load.
+A rollout pool that fails to start is cleaned up: the next session in the process starts."""
 
 import json
 import math
 import os
 
+import pytest
+
+from ballast.single_controller.errors import WorkerError
 from testkit.e2e import SPLIT_POOLS
 
 OFF = "training/off_policy"
 
 
-def test_updates_land_mid_generation_and_every_token_knows_its_version(session, tmp_path, capfd):
+def test_updates_land_mid_generation_and_every_token_knows_its_version(session, tmp_path, capfd, monkeypatch):
     loops = tmp_path / "loops.yaml"
     loops.write_text("- name: waiting\n  _target_: testkit.agent.WaitingLoop\n")
     extra = [*SPLIT_POOLS, "trainer.v1.separate_async.num_warmup_batches=1",
@@ -21,6 +25,16 @@ def test_updates_land_mid_generation_and_every_token_knows_its_version(session, 
              f"actor_rollout_ref.rollout.agent.agent_loop_config_path={loops}",
              "actor_rollout_ref.rollout.agent.default_agent_loop=waiting", "data.max_response_length=32",
              "trainer.total_training_steps=4", "trainer.test_freq=-1", "trainer.val_before_train=False"]
+    # first a start that fails in the rollout pool: a loop module the driver can import (it checks the
+    # config at start-up) but the workers cannot. The error names it, and the failed start leaves
+    # nothing behind (placement groups, actors) that would refuse the next session in the process.
+    (tmp_path / "driver_only_loops.py").write_text("from testkit.agent import WaitingLoop as Loop\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("- name: waiting\n  _target_: driver_only_loops.Loop\n")
+    with pytest.raises(WorkerError, match="cannot import module 'driver_only_loops'"):
+        with session("broken", *extra, f"actor_rollout_ref.rollout.agent.agent_loop_config_path={broken}"):
+            pass
     with session("partial", *extra) as trainer:
         assert trainer.correction.bypass  # stale tokens: corrected by default
         trainer.fit()

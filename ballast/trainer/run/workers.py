@@ -80,43 +80,54 @@ def create_workers(cfg: BallastConfig, sizes: DerivedSizes, specs: WorkerSpecs) 
     use_gpu = t.device == "cuda" or (t.device == "auto" and _cuda_available())
     pool = ResourcePool([t.n_gpus_per_node] * t.nnodes, use_gpu=use_gpu, cpus_per_process=1.0,
                         name=f"ballast_{os.getpid()}", ready_timeout_s=cfg.ray_init.timeout_s)
-    share = 0.5 if sizes.use_critic else 1.0
-    env = worker_env()
-    logs = worker_log_dir(t.default_local_dir)
-    actor = RayWorkerGroup(pool, ActorRolloutRefWorker, init_args=(specs.actor_rollout_ref,),
-                           name="actor_rollout_ref", device_share=share, env=env, timeout_s=t.worker_timeout_s,
-                           log_dir=logs)
-    critic = None
-    if sizes.use_critic:
-        critic = RayWorkerGroup(pool, CriticWorker, init_args=(specs.critic,), name="critic",
-                                device_share=share, env=env, timeout_s=t.worker_timeout_s, log_dir=logs)
-    arr = specs.actor_rollout_ref
-    # With LoRA the reference phase runs on the actor's engine (adapter off), so it is planned like one.
-    engines = {"actor": arr.actor, "ref": arr.actor if arr.ref_in_actor else arr.ref,
-               "critic": specs.critic.critic if specs.critic is not None else None}
-    objectives = phase_objectives({k: v for k, v in engines.items() if v is not None}, pool.world_size,
-                                  "cuda" if use_gpu else "cpu")
-    workers = Workers(pool, actor, critic, objectives)
-    if specs.rollout is not None:
-        r = cfg.actor_rollout_ref.rollout
-        workers.rollout_pool = ResourcePool([r.n_gpus_per_node] * r.nnodes, use_gpu=use_gpu, cpus_per_process=1.0,
-                                            name=f"ballast_rollout_{os.getpid()}", ready_timeout_s=cfg.ray_init.timeout_s)
-        workers.rollout = RayWorkerGroup(workers.rollout_pool, ActorRolloutRefWorker, init_args=(specs.rollout,),
-                                         name="rollout", env=env, timeout_s=t.worker_timeout_s, log_dir=logs)
-    # Each group forms its own torch.distributed world; initialise them one after the other.
-    report = weight_sync_report(actor.init_model())
-    if report:
-        print(report, flush=True)
-    if critic is not None:
-        critic.init_model()
-    if workers.rollout is not None:
-        workers.rollout.init_model()
-        print(f"[ballast] separate_async: {actor.world_size} trainer and {workers.rollout.world_size} rollout "
-              "worker(s) on separate pools; the weights reach the rollout through the object store after every "
-              "update" + (" (merged with the LoRA adapter)" if specs.actor_rollout_ref.actor.lora.enabled else "")
-              + ("; partial rollouts: new weights interrupt the generations in flight, which resume under them"
-                 if t.v1.separate_async.partial_rollout else ""), flush=True)
-    return workers
+    workers: Optional[Workers] = None
+    try:
+        share = 0.5 if sizes.use_critic else 1.0
+        env = worker_env()
+        logs = worker_log_dir(t.default_local_dir)
+        actor = RayWorkerGroup(pool, ActorRolloutRefWorker, init_args=(specs.actor_rollout_ref,),
+                               name="actor_rollout_ref", device_share=share, env=env, timeout_s=t.worker_timeout_s,
+                               log_dir=logs)
+        critic = None
+        if sizes.use_critic:
+            critic = RayWorkerGroup(pool, CriticWorker, init_args=(specs.critic,), name="critic",
+                                    device_share=share, env=env, timeout_s=t.worker_timeout_s, log_dir=logs)
+        arr = specs.actor_rollout_ref
+        # With LoRA the reference phase runs on the actor's engine (adapter off), so it is planned like one.
+        engines = {"actor": arr.actor, "ref": arr.actor if arr.ref_in_actor else arr.ref,
+                   "critic": specs.critic.critic if specs.critic is not None else None}
+        objectives = phase_objectives({k: v for k, v in engines.items() if v is not None}, pool.world_size,
+                                      "cuda" if use_gpu else "cpu")
+        workers = Workers(pool, actor, critic, objectives)
+        if specs.rollout is not None:
+            r = cfg.actor_rollout_ref.rollout
+            workers.rollout_pool = ResourcePool([r.n_gpus_per_node] * r.nnodes, use_gpu=use_gpu,
+                                                cpus_per_process=1.0, name=f"ballast_rollout_{os.getpid()}",
+                                                ready_timeout_s=cfg.ray_init.timeout_s)
+            workers.rollout = RayWorkerGroup(workers.rollout_pool, ActorRolloutRefWorker, init_args=(specs.rollout,),
+                                             name="rollout", env=env, timeout_s=t.worker_timeout_s, log_dir=logs)
+        # Each group forms its own torch.distributed world; initialise them one after the other.
+        report = weight_sync_report(actor.init_model())
+        if report:
+            print(report, flush=True)
+        if critic is not None:
+            critic.init_model()
+        if workers.rollout is not None:
+            workers.rollout.init_model()
+            print(f"[ballast] separate_async: {actor.world_size} trainer and {workers.rollout.world_size} rollout "
+                  "worker(s) on separate pools; the weights reach the rollout through the object store after every "
+                  "update" + (" (merged with the LoRA adapter)" if specs.actor_rollout_ref.actor.lora.enabled else "")
+                  + ("; partial rollouts: new weights interrupt the generations in flight, which resume under them"
+                     if t.v1.separate_async.partial_rollout else ""), flush=True)
+        return workers
+    except BaseException:
+        # A group that failed to start must not outlive the attempt: its placement groups (named after
+        # this process) would refuse the next session in the same process, e.g. a notebook's retry.
+        if workers is not None:
+            workers.shutdown()
+        else:
+            pool.remove()  # removing the placement groups also ends the actors placed in them
+        raise
 
 
 def weight_sync_report(init_info: list) -> str:
