@@ -24,7 +24,7 @@ def test_updates_land_mid_generation_and_every_token_knows_its_version(session, 
              "trainer.v1.separate_async.partial_rollout=true", "actor_rollout_ref.rollout.mode=async",
              f"actor_rollout_ref.rollout.agent.agent_loop_config_path={loops}",
              "actor_rollout_ref.rollout.agent.default_agent_loop=waiting", "data.max_response_length=32",
-             "trainer.total_training_steps=4", "trainer.test_freq=-1", "trainer.val_before_train=False"]
+             "trainer.total_training_steps=3", "trainer.test_freq=-1", "trainer.val_before_train=False"]
     # first a start that fails in the rollout pool: a loop module the driver can import (it checks the
     # config at start-up) but the workers cannot. The error names it, and the failed start leaves
     # nothing behind (placement groups, actors) that would refuse the next session in the process.
@@ -40,14 +40,14 @@ def test_updates_land_mid_generation_and_every_token_knows_its_version(session, 
         trainer.fit()
     assert "partial rollouts: new weights interrupt the generations in flight" in capfd.readouterr().out
     rows = [json.loads(line) for line in open(os.path.join(tmp_path, "partial", "metrics.jsonl"))]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
         assert r[f"{OFF}/trajectory_staleness_worst/max"] <= 1, r  # every token within the bound
         assert r[f"{OFF}/trajectory_staleness/min"] >= 0
         assert r[f"{OFF}/trajectory_spans/max"] <= 2  # one update per step: a call sees at most one switch
         assert math.isfinite(r["rollout_corr/k3_kl"])
-    # steps 2-4 were generated while the previous update ran (about 2 s of conversation against a
-    # sub-second tiny-model update): the new weights reached them mid-call
+    # steps 2-3 were generated while the previous update ran (about 2 s of conversation against a
+    # tiny-model update of ~0.2-0.4 s): the new weights reached them mid-call
     switched = [r for r in rows[1:] if r[f"{OFF}/trajectory_spans/max"] == 2]
     assert switched, [(r["step"], r[f"{OFF}/trajectory_spans/max"]) for r in rows]
     for r in switched:
