@@ -106,40 +106,38 @@ class FakeCore:
 INSERTED = (5, 6, 7, 8, 9)
 
 
-def register_inserting_loop():
-    """Register "test_inserting_agent", a multi-turn loop for real engines (random models never call
-    tools): three sampled turns of at most 6 tokens with INSERTED ids (mask 0) between them."""
-    from ballast.workers.agent_loop import AgentLoop, StopReason, Transcript, register
+class InsertingLoop(AgentLoop):
+    """A multi-turn loop for real engines (random models never call tools): three sampled turns of at
+    most 6 tokens with INSERTED ids (mask 0) between them, each inserted turn after `wait_s` seconds."""
 
-    @register("test_inserting_agent")
-    class _Inserting(AgentLoop):
-        async def run(self, sample):
-            t = Transcript(sample.prompt_ids, with_log_probs=self.ctx.sampling.calculate_log_probs)
-            for turn in range(3):
-                if turn:
-                    t.add_inserted(INSERTED)
-                out = await self.ctx.engine.generate(TurnRequest(t.ids, 6, sample.seed(turn)))
-                t.add_sampled(out.token_ids, out.log_probs, out.versions)
-            return t.output(StopReason.ANSWER, num_turns=5, info={"assistant_turns": 3.0})
-
-    return _Inserting
-
-
-WAIT_S = 1.0
-
-
-class WaitingLoop(AgentLoop):
-    """Three sampled turns of at most 6 tokens with INSERTED ids between them, each after a WAIT_S pause
-    standing in for a slow tool (`agent_loop_config_path`: `_target_: testkit.agent.WaitingLoop`). A
-    generation call then lasts ~2 x WAIT_S whatever the model, so a trainer update lands while its
-    conversations are in flight (partial rollouts)."""
+    wait_s = 0.0
 
     async def run(self, sample):
         t = Transcript(sample.prompt_ids, with_log_probs=self.ctx.sampling.calculate_log_probs)
         for turn in range(3):
             if turn:
-                await asyncio.sleep(WAIT_S)
+                if self.wait_s:
+                    await asyncio.sleep(self.wait_s)
                 t.add_inserted(INSERTED)
             out = await self.ctx.engine.generate(TurnRequest(t.ids, 6, sample.seed(turn)))
             t.add_sampled(out.token_ids, out.log_probs, out.versions)
         return t.output(StopReason.ANSWER, num_turns=5, info={"assistant_turns": 3.0})
+
+
+def register_inserting_loop():
+    """Register `InsertingLoop` as "test_inserting_agent"."""
+    from ballast.workers.agent_loop import register
+
+    return register("test_inserting_agent")(InsertingLoop)
+
+
+WAIT_S = 1.0
+
+
+class WaitingLoop(InsertingLoop):
+    """`InsertingLoop` pausing WAIT_S before each inserted turn, standing in for a slow tool
+    (`agent_loop_config_path`: `_target_: testkit.agent.WaitingLoop`). A generation call then lasts
+    ~2 x WAIT_S whatever the model, so a trainer update lands while its conversations are in flight
+    (partial rollouts)."""
+
+    wait_s = WAIT_S
