@@ -1,8 +1,9 @@
 """Command-line entry point: `python -m ballast.trainer.main [hydra overrides]` (or `ballast-train`).
 
 Hydra composes `configs/ppo_trainer.yaml` (or `--config-name quickstart`) with verl-style overrides.
-Before Ray starts, `prepare` loads it into the frozen typed config, reads the model's config, the
-data and the reward function, and plans the run (`plan_run`: the start-up check, which builds the
+Before Ray starts, the run directory is checked (a busy or occupied one is refused before anything
+is read), then `prepare_typed` takes the frozen typed config, reads the model's config, the data and
+the reward function, and plans the run (`plan_run`: the start-up check, which builds the
 derived sizes and every worker spec once); `training_session` then starts Ray and constructs the
 workers from that plan. `--cfg job` prints the composed config without running.
 
@@ -81,11 +82,6 @@ class PreparedRun:
     plan: "RunPlan"
     data: "RunData"
     reward: "RewardManager"
-
-
-def prepare(raw: DictConfig) -> PreparedRun:
-    """The run `raw` describes, or a `ConfigError` (`InputError` for its files) naming what is wrong."""
-    return prepare_typed(to_typed(raw))
 
 
 def prepare_typed(cfg: BallastConfig) -> PreparedRun:
@@ -288,12 +284,14 @@ def cli_run(raw: DictConfig, exiting: bool = False) -> int:
     """Validate and run one composed config; returns the process exit code (see the module docstring).
     `exiting`: the process exits right after (the command line): late signals are ignored, and a
     shutdown stuck past its deadline ends the process."""
-    from ballast.trainer.run.preflight import claim_run_dir
+    from ballast.trainer.run.preflight import claim_run_dir, refuse_early
 
     lock = None
     signals.install(save_first=bool(OmegaConf.select(raw, "trainer.save_on_signal", default=False)), exiting=exiting)
     try:
-        prepared = prepare(raw)
+        cfg = to_typed(raw)
+        refuse_early(cfg.trainer)  # a busy or occupied directory: refused before the data is read
+        prepared = prepare_typed(cfg)
         point, lock = claim_run_dir(prepared.cfg)
         run(prepared, OmegaConf.to_container(raw, resolve=True), point)
         return 0

@@ -4,7 +4,9 @@
 the checkpoint directory the run will load, verified against its checksums, or a fresh start.
 `claim_run_dir` locks `trainer.default_local_dir` for this run, resolves the resume point and refuses
 to start a new run on top of an old one (or moves the old one aside when asked), so the driver and the
-workers never look at `resume_mode` or the marker file again.
+workers never look at `resume_mode` or the marker file again. `refuse_early` makes the checks of the
+directory that need neither the lock nor the data, so a launch into a busy or occupied directory is
+refused in a second, before the tokenizer and the data are read.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from ballast.trainer.run.checkpoints import (
 )
 from ballast.trainer.config import BallastConfig
 from ballast.trainer.config.schema import TrainerConfig
-from ballast.trainer.run.run_dir import RunDirLock, check_fresh_start, lock_run_dir
+from ballast.trainer.run.run_dir import RunDirLock, check_fresh_start, check_not_busy, lock_run_dir
 
 
 def claim_run_dir(cfg: BallastConfig) -> Tuple[ResumePoint, RunDirLock]:
@@ -43,6 +45,17 @@ def claim_run_dir(cfg: BallastConfig) -> Tuple[ResumePoint, RunDirLock]:
         lock.release()
         raise
     return point, lock
+
+
+def refuse_early(t: TrainerConfig) -> None:
+    """Raise the `RunDirError` that `claim_run_dir` would raise for a directory held by another run, or
+    for a fresh start (`resume_mode=disable`) on top of an old run that is not to be moved aside. It
+    changes nothing on disk; `claim_run_dir` checks again under the lock (the directory can change in
+    between), and makes every check that reads checkpoints."""
+    run_dir = os.path.abspath(os.path.expanduser(t.default_local_dir))
+    check_not_busy(run_dir)
+    if t.resume_mode == "disable" and not t.move_old_run_aside:
+        check_fresh_start(run_dir, t.resume_mode, None, move_old_run_aside=False)
 
 
 def resume_point(t: TrainerConfig) -> ResumePoint:

@@ -58,16 +58,34 @@ def lock_run_dir(run_dir: str) -> RunDirLock:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = _read_holder(fd)
-        os.close(fd)
-        raise RunDirError(
-            f"trainer.default_local_dir={run_dir!r} is in use by another run ({holder}); wait for it to end, "
-            "or give this run another trainer.default_local_dir"
-        ) from None
+        raise _busy(run_dir, fd) from None
     os.ftruncate(fd, 0)
     info = f"pid {os.getpid()} on host {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
     os.pwrite(fd, info.encode(), 0)
     return RunDirLock(run_dir, fd)
+
+
+def check_not_busy(run_dir: str) -> None:
+    """Raise the `RunDirError` of `lock_run_dir` if another process holds `run_dir`'s lock; creates
+    nothing (a directory without a lock file is not busy)."""
+    try:
+        fd = os.open(os.path.join(run_dir, LOCK_FILE), os.O_RDWR | os.O_CLOEXEC)
+    except (OSError, ValueError):
+        return  # no lock file, or a path lock_run_dir will refuse with its own reason
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise _busy(run_dir, fd) from None
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
+
+
+def _busy(run_dir: str, fd: int) -> RunDirError:
+    """The error for a directory whose lock `fd` another process holds; closes `fd`."""
+    holder = _read_holder(fd)
+    os.close(fd)
+    return RunDirError(f"trainer.default_local_dir={run_dir!r} is in use by another run ({holder}); wait for it "
+                       "to end, or give this run another trainer.default_local_dir")
 
 
 def _read_holder(fd: int) -> str:

@@ -11,9 +11,13 @@ import sys
 
 import pytest
 
+from ballast.trainer.config import load_config
+from ballast.trainer.run.preflight import refuse_early
 from ballast.trainer.run.run_dir import (
-    LOCK_FILE, RunDirError, check_fresh_start, lock_run_dir, run_contents, starts_fresh_here,
+    LOCK_FILE, RunDirError, check_fresh_start, check_not_busy, lock_run_dir, run_contents, starts_fresh_here,
 )
+
+from testkit.e2e import overrides
 
 _HOLDER = """
 import sys, time
@@ -38,13 +42,16 @@ def test_second_run_is_refused_naming_the_holder_and_the_lock_dies_with_its_proc
                               env={**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")})
     try:
         assert holder.stdout.readline().strip() == "locked"
-        with pytest.raises(RunDirError, match=rf"default_local_dir='{run_dir}' is in use by another run "
-                                              rf"\(pid {holder.pid} on host {socket.gethostname()} since "):
+        busy = rf"default_local_dir='{run_dir}' is in use by another run \(pid {holder.pid} on host {socket.gethostname()} since "
+        with pytest.raises(RunDirError, match=busy):
             lock_run_dir(run_dir)
+        with pytest.raises(RunDirError, match=busy):  # the early check, before the data is read, says the same
+            check_not_busy(run_dir)
         holder.send_signal(signal.SIGKILL)  # no cleanup code runs: the kernel drops the lock
         holder.wait(timeout=30)
     finally:
         holder.kill()
+    check_not_busy(run_dir)  # a lock file nobody holds is no obstacle, and the probe leaves it unheld
     lock = lock_run_dir(run_dir)
     assert open(os.path.join(run_dir, LOCK_FILE)).read().startswith(f"pid {os.getpid()} on host ")
     with pytest.raises(RunDirError, match="in use by another run"):  # one lock per run, also in one process
@@ -74,6 +81,26 @@ def test_fresh_start_on_top_of_an_old_run_is_refused_with_the_ways_out(tmp_path)
         check_fresh_start(run_dir, "auto", None, False)  # auto found nothing to continue from
     # a new or empty directory is fine
     assert check_fresh_start(str(tmp_path / "new"), "disable", None, False) is None
+
+
+def _trainer_section(run_dir, *extra):
+    paths = {"model": "/m", "train": "/t.parquet", "val": "/v.parquet"}  # never read: only `trainer` is checked
+    return load_config(overrides(paths, run_dir, *extra)).trainer
+
+
+def test_the_early_check_refuses_what_the_claim_would_and_touches_nothing(tmp_path):
+    new = str(tmp_path / "new")
+    refuse_early(_trainer_section(new))
+    assert not os.path.exists(new), "the early check must not create the run directory"
+    run_dir = str(tmp_path / "run")
+    _old_run(run_dir)
+    before = sorted(os.listdir(run_dir))
+    with pytest.raises(RunDirError, match="already holds a run"):
+        refuse_early(_trainer_section(run_dir, "trainer.resume_mode=disable"))
+    # continuing the run, or moving it aside, is decided under the lock once the data has been read
+    refuse_early(_trainer_section(run_dir, "trainer.resume_mode=auto"))
+    refuse_early(_trainer_section(run_dir, "trainer.resume_mode=disable", "trainer.move_old_run_aside=true"))
+    assert sorted(os.listdir(run_dir)) == before
 
 
 def test_move_old_run_aside_keeps_it_whole_in_a_sibling_directory(tmp_path):
