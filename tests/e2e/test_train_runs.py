@@ -1,7 +1,6 @@
 """Few-step GRPO and PPO runs through the whole driver loop, and exact resume from a checkpoint."""
 
 import json
-import math
 import os
 import re
 import shutil
@@ -9,25 +8,7 @@ import shutil
 import pytest
 
 
-from testkit.e2e import WITH_ROLLOUT_LOG_PROBS
-
-REQUIRED = [
-    "global_seqlen/min", "global_seqlen/max", "global_seqlen/minmax_diff", "global_seqlen/balanced_min",
-    "global_seqlen/balanced_max", "global_seqlen/mean", "global_workload/balanced_max", "critic/score/mean",
-    "critic/rewards/mean", "critic/advantages/mean", "critic/advantages/max", "critic/advantages/min",
-    "response_length/mean", "response_length/max", "response_length/min", "response_length/clip_ratio",
-    "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm", "actor/lr",
-    "timing_s/gen", "timing_s/reward", "timing_s/balance", "timing_s/old_log_prob", "timing_s/adv",
-    "timing_s/update_actor", "timing_s/step", "perf/throughput_tokens_per_s", "perf/num_micro_batches",
-]
-
-
-def _assert_finite(metrics, keys):
-    missing = [k for k in keys if k not in metrics]
-    assert not missing, f"missing metrics {missing}"
-    bad = {k: metrics[k] for k in keys if not math.isfinite(metrics[k])}
-    assert not bad, f"non-finite metrics {bad}"
-
+from testkit.e2e import STEP_METRICS, WITH_ROLLOUT_LOG_PROBS, assert_finite
 
 MONITOR = re.compile(r"DynamicBatchMonitor: dp_rank_[01] - avg_tokens=\d+, max_tokens=\d+, min_tokens=\d+, "
                      r"batch_count=\d+")
@@ -41,7 +22,7 @@ def test_grpo_run_trains_and_reports_every_metric(session, tmp_path, capfd):
         before = trainer.workers.actor_rollout.actor_state_fingerprint()[0]
         metrics = trainer.fit()
         after = trainer.workers.actor_rollout.actor_state_fingerprint()[0]
-    _assert_finite(metrics, REQUIRED + ["perf/micro_batch_tokens/avg", "perf/micro_batch_tokens/max",
+    assert_finite(metrics, STEP_METRICS + ["perf/micro_batch_tokens/avg", "perf/micro_batch_tokens/max",
                                         "perf/micro_batch_tokens/min", "balance/rank_0/tokens", "balance/rank_1/tokens"])
     # adaptive clipping: 8 samples per mini-batch < grad_clip_min_batch_size=16 halves grad_clip=1.0
     assert metrics["actor/grad_clip_effective"] == pytest.approx(0.5)
@@ -58,8 +39,11 @@ def test_grpo_run_trains_and_reports_every_metric(session, tmp_path, capfd):
     assert os.path.isfile(os.path.join(tmp_path, "grpo", "charts", "balance_step_1.png"))
 
 
-def test_ppo_run_with_critic_and_gae(session):
+def test_ppo_run_with_critic_and_gae_and_verls_separate_old_log_prob_pass(session):
+    # with the shortcut off (old_log_prob_from_update=False) the old log-probs come from verl's separate
+    # forward pass before the update, as verl computes them; the rollout's own log-probs check each row
     extra = ["algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_dynamic_bsz=False",
+             "actor_rollout_ref.rollout.calculate_log_probs=True", "actor_rollout_ref.actor.old_log_prob_from_update=False",
              "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
              "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4", "critic.ppo_micro_batch_size_per_gpu=2",
              "critic.optim.lr=1e-3", "actor_rollout_ref.actor.use_kl_loss=True",
@@ -68,10 +52,13 @@ def test_ppo_run_with_critic_and_gae(session):
              # reference is a frozen plain module; the other runs here shard with FSDP2
              "actor_rollout_ref.actor.fsdp_config.fsdp_size=1", "critic.fsdp_config.fsdp_size=1"]
     with session("ppo", *extra) as trainer:
+        assert trainer.old_log_probs.mode == "pass"
         metrics = trainer.fit()
-    _assert_finite(metrics, [k for k in REQUIRED if k != "perf/num_micro_batches"] + [
+    assert_finite(metrics, [k for k in STEP_METRICS if k != "perf/num_micro_batches"] + [
         "critic/vf_loss", "critic/vf_clipfrac", "critic/values/mean", "critic/returns/mean", "critic/grad_norm",
-        "actor/kl_loss", "timing_s/values", "timing_s/ref", "timing_s/update_critic"])
+        "actor/kl_loss", "timing_s/values", "timing_s/ref", "timing_s/update_critic", "perf/mfu/actor_infer",
+        "training/rollout_actor_log_prob_diff/max"])
+    assert metrics["training/rollout_actor_log_prob_diff/max"] < 1e-3
 
 
 COMPARED = ["critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/ppo_kl", "actor/entropy",
@@ -100,16 +87,6 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(session, tmp_path, r
         assert resumed[key] == pytest.approx(straight[key], rel=1e-5, abs=1e-7), key
 
 
-@pytest.mark.vllm
-def test_grpo_with_real_vllm_keeps_rollout_and_actor_in_sync(session):
-    extra = ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.calculate_log_probs=True"]
-    with session("vllm", *extra) as trainer:
-        metrics = trainer.fit()
-    _assert_finite(metrics, REQUIRED + ["training/rollout_actor_log_prob_diff/max"])
-    # step 2 samples with weights synced after the first update: vLLM and the FSDP actor agree per token
-    assert metrics["training/rollout_actor_log_prob_diff/max"] < 1e-3
-
-
 def test_on_policy_step_skips_the_old_log_prob_pass_and_keeps_its_metrics(session):
     # one mini-batch (ppo_mini_batch_size = train_batch_size) and one epoch: the update's own forward
     # supplies the old log-probs, entropy and the rollout-vs-actor check
@@ -118,7 +95,7 @@ def test_on_policy_step_skips_the_old_log_prob_pass_and_keeps_its_metrics(sessio
         assert trainer.old_log_probs.mode == "update"
         metrics = trainer.fit()
     assert "timing_s/old_log_prob" not in metrics and "perf/mfu/actor_infer" not in metrics
-    _assert_finite(metrics, [k for k in REQUIRED if k != "timing_s/old_log_prob"] + [
+    assert_finite(metrics, [k for k in STEP_METRICS if k != "timing_s/old_log_prob"] + [
         "training/rollout_actor_log_prob_diff/mean", "training/rollout_actor_log_prob_diff/max", "perf/mfu/actor",
         "timing_s/update_weights", "timing_per_token_ms/gen", "timing_per_token_ms/update_actor"])
     assert metrics["actor/ppo_kl"] == 0.0 and metrics["actor/pg_clipfrac"] == 0.0  # the ratio is exactly 1
@@ -133,17 +110,8 @@ def test_two_mini_batch_step_takes_the_first_ones_old_log_probs_from_the_update(
     # old log-probs come back from the update and every row's are checked against the rollout's own
     assert rollout_log_probs_run["mode"] == "partial"
     metrics = rollout_log_probs_run["final"]
-    _assert_finite(metrics, REQUIRED + ["training/rollout_actor_log_prob_diff/mean",
+    assert_finite(metrics, STEP_METRICS + ["training/rollout_actor_log_prob_diff/mean",
                                         "training/rollout_actor_log_prob_diff/max", "perf/mfu/actor_infer"])
     assert metrics["actor/entropy"] > 0
     # a row mapped to the wrong sample, or left at its placeholder, would be off by whole nats
-    assert metrics["training/rollout_actor_log_prob_diff/max"] < 1e-3
-
-
-def test_switching_the_shortcut_off_runs_verls_separate_pass(session):
-    extra = ["actor_rollout_ref.rollout.calculate_log_probs=True", "actor_rollout_ref.actor.old_log_prob_from_update=False"]
-    with session("separate_pass", *extra) as trainer:
-        assert trainer.old_log_probs.mode == "pass"
-        metrics = trainer.fit()
-    _assert_finite(metrics, REQUIRED + ["perf/mfu/actor_infer", "training/rollout_actor_log_prob_diff/max"])
     assert metrics["training/rollout_actor_log_prob_diff/max"] < 1e-3

@@ -3,6 +3,7 @@ the command-line tests share (start the trainer as a subprocess, wait on it, rea
 
 import contextlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -29,6 +30,26 @@ SPLIT_POOLS = ("trainer.v1.trainer_mode=separate_async", "actor_rollout_ref.hybr
                "trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.nnodes=1",
                "actor_rollout_ref.rollout.n_gpus_per_node=1", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
                "trainer.v1.separate_async.parameter_sync_step=1")
+
+
+# What every GRPO step of the tiny runs reports (one with an old-log-prob pass: two mini-batches)
+STEP_METRICS = [
+    "global_seqlen/min", "global_seqlen/max", "global_seqlen/minmax_diff", "global_seqlen/balanced_min",
+    "global_seqlen/balanced_max", "global_seqlen/mean", "global_workload/balanced_max", "critic/score/mean",
+    "critic/rewards/mean", "critic/advantages/mean", "critic/advantages/max", "critic/advantages/min",
+    "response_length/mean", "response_length/max", "response_length/min", "response_length/clip_ratio",
+    "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm", "actor/lr",
+    "timing_s/gen", "timing_s/reward", "timing_s/balance", "timing_s/old_log_prob", "timing_s/adv",
+    "timing_s/update_actor", "timing_s/step", "perf/throughput_tokens_per_s", "perf/num_micro_batches",
+]
+
+
+def assert_finite(metrics, keys):
+    """Every key in `keys` is in `metrics` with a finite value."""
+    missing = [k for k in keys if k not in metrics]
+    assert not missing, f"missing metrics {missing}"
+    bad = {k: metrics[k] for k in keys if not math.isfinite(metrics[k])}
+    assert not bad, f"non-finite metrics {bad}"
 
 
 def overrides(task, run_dir, *extra):
