@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from cluster_helpers import ROOT, base_env, metric_rows, run_trainer
+from cluster_helpers import ROOT, metric_rows, run_trainer
 
 pytestmark = pytest.mark.slow
 
@@ -45,13 +45,16 @@ def _assert_same_metrics(rows, reference):
 
 
 @pytest.fixture(scope="module")
-def one_node_reference(multinode_task, tmp_path_factory):
-    """The same run on one node (a fresh local Ray in the subprocess): nnodes=1 x 2 workers."""
+def one_node_reference(multinode_task, ray_session, tmp_path_factory):
+    """The same run on one node, nnodes=1 x 2 workers: in this process, on the suite's Ray session (a
+    one-node Ray; the driver code is the command line's, which the two-node run exercises)."""
+    from ballast.trainer.config import load_config
+    from ballast.trainer.main import prepare_typed, training_session
+
     run_dir = str(tmp_path_factory.mktemp("one_node"))
-    proc = run_trainer(tiny_overrides(multinode_task, run_dir) + [
-        "trainer.nnodes=1", "trainer.n_gpus_per_node=2", "ray_init.num_cpus=2"],
-        cwd=run_dir, env=base_env({"RAY_AUTH_MODE": "disabled"}))
-    _check(proc, "one-node run")
+    cfg = load_config(tiny_overrides(multinode_task, run_dir) + ["trainer.nnodes=1", "trainer.n_gpus_per_node=2"])
+    with training_session(prepare_typed(cfg)) as trainer:
+        trainer.fit()
     placed = json.load(open(os.path.join(run_dir, "workers.json")))
     assert len({p["node_id"] for p in placed}) == 1
     return metric_rows(run_dir)
