@@ -22,6 +22,12 @@ def _cli(task, run_dir, *extra):
     return start_trainer(task, run_dir, "trainer.worker_timeout_s=120", *extra)
 
 
+# The shutdown tests need a run with Ray processes to stop, not a second rank: one worker each. (The
+# checkpoint-on-SIGTERM test keeps two: a sharded save is what a signal must not cut; a dead rank is
+# tests/e2e/test_faults.py.)
+ONE_WORKER = ("trainer.n_gpus_per_node=1", "ray_init.num_cpus=1")
+
+
 @pytest.mark.slow
 def test_sigterm_saves_the_step_and_the_directory_admits_one_run_at_a_time(tiny_task, tmp_path):
     run_dir = str(tmp_path / "run")
@@ -95,7 +101,7 @@ def test_one_sigterm_without_save_stops_at_once_and_more_during_the_shutdown_can
     # one signal alone), SIGTERMs hammered until the driver exits are only noted.
     run_dir = str(tmp_path / "run")
     os.makedirs(run_dir)
-    with killed_on_exit(_cli(tiny_task, run_dir, "trainer.total_training_steps=50")) as proc:
+    with killed_on_exit(_cli(tiny_task, run_dir, "trainer.total_training_steps=50", *ONE_WORKER)) as proc:
         wait_for(lambda: logged_steps(run_dir), proc, 240, "first step")
         workers = [w["pid"] for w in json.loads(Path(run_dir, "workers.json").read_text())]
         proc.send_signal(signal.SIGTERM)
@@ -114,7 +120,7 @@ def test_one_sigterm_without_save_stops_at_once_and_more_during_the_shutdown_can
 def test_ctrl_c_hammered_from_the_first_press_cannot_cut_the_shutdown_short(tiny_task, tmp_path):
     run_dir = str(tmp_path / "run")
     os.makedirs(run_dir)
-    with killed_on_exit(_cli(tiny_task, run_dir, "trainer.total_training_steps=50")) as proc:
+    with killed_on_exit(_cli(tiny_task, run_dir, "trainer.total_training_steps=50", *ONE_WORKER)) as proc:
         wait_for(lambda: logged_steps(run_dir), proc, 240, "first step")
         # a Ctrl-C hammered until the run is gone: the first stops the run, the rest land during its shutdown
         _hammer(proc, signal.SIGINT, 90)
@@ -126,7 +132,7 @@ def test_ctrl_c_hammered_from_the_first_press_cannot_cut_the_shutdown_short(tiny
 def test_a_driver_killed_with_sigkill_leaves_no_ray_process_or_directory(tiny_task, tmp_path):
     run_dir = str(tmp_path / "run")
     os.makedirs(run_dir)
-    with killed_on_exit(_cli(tiny_task, run_dir, "trainer.total_training_steps=50")) as proc:
+    with killed_on_exit(_cli(tiny_task, run_dir, "trainer.total_training_steps=50", *ONE_WORKER)) as proc:
         wait_for(lambda: logged_steps(run_dir), proc, 240, "first step")
         proc.send_signal(signal.SIGKILL)
         killed = time.monotonic()
