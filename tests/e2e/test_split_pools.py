@@ -1,7 +1,7 @@
 """Split resource pools (trainer.v1.trainer_mode=separate_async): a trainer group without a rollout and a
 rollout-only group on a pool of its own, the weights crossing through Ray's object store after every
-update. Zero batches ahead keeps the rollout on the trainer's current weights at every step, full or
-LoRA-merged. (One batch ahead, resume and a broken transfer: test_split_pools_ahead.py, which runs in
+update. Zero batches ahead keeps the rollout on the trainer's current weights at every step (here with a
+LoRA adapter merged into the weights it sends). (One batch ahead, resume and a broken transfer: test_split_pools_ahead.py, which runs in
 the other test stream.)"""
 
 import json
@@ -17,28 +17,22 @@ def _rows(path):
     return [json.loads(line) for line in open(os.path.join(path, "metrics.jsonl"))]
 
 
-def test_split_pools_sample_with_the_trainers_weights(session, tmp_path):
-    k0 = [*SPLIT, *WITH_ROLLOUT_LOG_PROBS, "trainer.v1.separate_async.num_warmup_batches=0",
+def test_split_pools_sample_with_the_trainers_weights_lora_merged_included(session, tmp_path, capfd):
+    # the actor trains a LoRA adapter; what crosses to the rollout pool is the base weights with the
+    # adapter merged in, through the same bucketed transfer as whole weights (which the one-batch-ahead
+    # runs of test_split_pools_ahead.py and test_partial_rollouts.py send)
+    lora = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16",
+            "actor_rollout_ref.actor.optim.lr=2e-2"]
+    k0 = [*SPLIT, *WITH_ROLLOUT_LOG_PROBS, *lora, "trainer.v1.separate_async.num_warmup_batches=0",
           "trainer.total_training_steps=3"]
     with session("k0", *k0) as trainer:
         assert trainer.workers.rollout is not None and trainer.workers.actor_rollout.world_size == 1
         assert not trainer.correction.bypass  # nothing is stale
         trainer.fit()
+    assert "(merged with the LoRA adapter)" in capfd.readouterr().out
     rows = _rows(os.path.join(tmp_path, "k0"))
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:  # every batch came from the weights being trained: the transfer ran before each generation
         assert r["rollout_corr/k3_kl"] < 1e-6, r["rollout_corr/k3_kl"]
         assert r["rollout/sync_check/mean_abs_diff"] < 1e-5 and r["timing_s/export_weights"] > 0
         assert STALENESS not in r
-
-
-def test_a_lora_actor_sends_its_merged_weights_to_the_rollout_pool(session, tmp_path, capfd):
-    lora = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16",
-            "actor_rollout_ref.actor.optim.lr=2e-2"]
-    with session("lora", *SPLIT, *lora, "trainer.v1.separate_async.num_warmup_batches=0",
-                 "trainer.total_training_steps=2") as trainer:
-        trainer.fit()
-    assert "(merged with the LoRA adapter)" in capfd.readouterr().out
-    rows = _rows(os.path.join(tmp_path, "lora"))
-    # step 2 samples with the merged weights of the first update: the rollout pool matches the trainer
-    assert rows[1]["rollout/sync_check/mean_abs_diff"] < 1e-5

@@ -7,7 +7,10 @@ import math
 import threading
 import time
 
+from types import SimpleNamespace
+
 import numpy as np
+
 import pytest
 import torch
 
@@ -94,8 +97,10 @@ def test_reward_error_names_the_step_and_dataset_row_and_keeps_the_users_traceba
     def raising_run(prepared, raw_config=None, resume=None):
         raise info.value
 
-    monkeypatch.setattr(main, "prepare", lambda raw: main.PreparedRun(cfg=None, plan=None, data=None, reward=None))
+    monkeypatch.setattr(main, "to_typed", lambda raw: SimpleNamespace(trainer=None))
+    monkeypatch.setattr(main, "prepare_typed", lambda cfg: main.PreparedRun(cfg=None, plan=None, data=None, reward=None))
     monkeypatch.setattr(main, "run", raising_run)
+    monkeypatch.setattr(preflight, "refuse_early", lambda trainer: None)
     monkeypatch.setattr(preflight, "claim_run_dir", lambda cfg: (None, None))
     code = main.cli_run(OmegaConf.create({}))
     err = capsys.readouterr().err
