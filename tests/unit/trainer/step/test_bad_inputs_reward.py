@@ -6,11 +6,9 @@ the run after `reward.timeout_s`."""
 import math
 import threading
 import time
-
 from types import SimpleNamespace
 
 import numpy as np
-
 import pytest
 import torch
 
