@@ -5,7 +5,9 @@ whole driver loop on CPU: vLLM rollouts, 2 FSDP2 workers, remove-padding, dynami
   update plus weight sync (max |diff| over response tokens < LOG_PROB_TOL): the whole-weight sync to
   vLLM through the driver loop (the tiny runs use the HF rollout; LoRA's adapter sync to vLLM has its
   own run in test_lora_run.py);
-* every step reports the step metrics, finite;
+* one mini-batch per step (on-policy): the update's own forward gives the old log-probs, entropy and
+  the rollout-vs-actor check, no separate pass runs, the ratio is exactly 1; every step reports the
+  step metrics, finite;
 * prompts carry the chat template, responses stop at the first <|im_end|> and the mask is 0 after it;
 * sp=2 is a start-up error naming the model's head counts (9 attention heads, 3 KV heads).
 Cost on 2 cores: ~4 min on a loaded box (one conversion per machine on top, ~40 s, cached under
@@ -78,6 +80,7 @@ def test_grpo_on_the_real_model_keeps_rollout_and_actor_equal_and_honours_the_ch
             return score(batch, step)
 
         trainer._score = keep
+        assert trainer.old_log_probs.mode == "update"
         before = trainer.workers.actor_rollout.actor_state_fingerprint()[0]
         trainer.fit()
         after = trainer.workers.actor_rollout.actor_state_fingerprint()[0]
@@ -91,8 +94,12 @@ def test_grpo_on_the_real_model_keeps_rollout_and_actor_equal_and_honours_the_ch
     assert all(r["actor/grad_norm"] > 0 for r in rows), [r["actor/grad_norm"] for r in rows]
     assert all(r["perf/micro_batch_tokens/max"] <= 256 for r in rows)
     for row in rows:  # one mini-batch per step: the update's own forward gives the old log-probs, no pass
-        assert_finite(row, [k for k in STEP_METRICS if k != "timing_s/old_log_prob"] + ["timing_s/update_weights"]
-                      * (row["step"] > 1))
+        assert_finite(row, [k for k in STEP_METRICS if k != "timing_s/old_log_prob"] + [
+            "training/rollout_actor_log_prob_diff/mean", "perf/mfu/actor", "timing_per_token_ms/gen",
+            "timing_per_token_ms/update_actor"] + ["timing_s/update_weights"] * (row["step"] > 1))
+        assert "timing_s/old_log_prob" not in row and "perf/mfu/actor_infer" not in row
+        assert row["actor/ppo_kl"] == 0.0 and row["actor/pg_clipfrac"] == 0.0  # the ratio is exactly 1
+        assert row["actor/entropy"] > 0 and 0 < row["perf/mfu/actor"] < 1.5
     tok = AutoTokenizer.from_pretrained(real_task["model"])
     ended = 0
     for batch in batches:

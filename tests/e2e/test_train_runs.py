@@ -87,24 +87,6 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(session, tmp_path, r
         assert resumed[key] == pytest.approx(straight[key], rel=1e-5, abs=1e-7), key
 
 
-def test_on_policy_step_skips_the_old_log_prob_pass_and_keeps_its_metrics(session):
-    # one mini-batch (ppo_mini_batch_size = train_batch_size) and one epoch: the update's own forward
-    # supplies the old log-probs, entropy and the rollout-vs-actor check
-    extra = ["actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.rollout.calculate_log_probs=True"]
-    with session("on_policy", *extra) as trainer:
-        assert trainer.old_log_probs.mode == "update"
-        metrics = trainer.fit()
-    assert "timing_s/old_log_prob" not in metrics and "perf/mfu/actor_infer" not in metrics
-    assert_finite(metrics, [k for k in STEP_METRICS if k != "timing_s/old_log_prob"] + [
-        "training/rollout_actor_log_prob_diff/mean", "training/rollout_actor_log_prob_diff/max", "perf/mfu/actor",
-        "timing_s/update_weights", "timing_per_token_ms/gen", "timing_per_token_ms/update_actor"])
-    assert metrics["actor/ppo_kl"] == 0.0 and metrics["actor/pg_clipfrac"] == 0.0  # the ratio is exactly 1
-    assert metrics["actor/entropy"] > 0
-    # step 2 samples with the weights synced after step 1's update: rollout and actor agree per token
-    assert metrics["training/rollout_actor_log_prob_diff/max"] < 1e-3
-    assert 0 < metrics["perf/mfu/actor"] < 1.5
-
-
 def test_two_mini_batch_step_takes_the_first_ones_old_log_probs_from_the_update(rollout_log_probs_run):
     # two mini-batches: the update runs a forward-only pass over the second one before its first step; the first one's
     # old log-probs come back from the update and every row's are checked against the rollout's own
