@@ -98,7 +98,9 @@ def test_a_run_whose_adapter_never_reaches_the_rollout_stops_naming_the_cause(ti
     # add ~25 s: vLLM's side of the check (it tells the served adapter from the base) is asserted above.
     path = run_dir(tmp_path, "broken_sync")
     env = {"PYTHONPATH": os.pathsep.join([BROKEN_SYNC, os.environ.get("PYTHONPATH", "")])}
-    proc = start_trainer(tiny_task, path, *LORA, "trainer.total_training_steps=4", env=env)
+    # one worker: the check runs on each rank's own rollout, a second rank would only repeat it
+    proc = start_trainer(tiny_task, path, *LORA, "trainer.total_training_steps=4", "trainer.n_gpus_per_node=1",
+                         "ray_init.num_cpus=1", env=env)
     with killed_on_exit(proc):
         _, stderr = proc.communicate(timeout=600)
     assert proc.returncode == EXIT_WORKER_FAILED, stderr[-3000:]
