@@ -14,8 +14,9 @@ from __future__ import annotations
 import sys
 from typing import Dict, List, Tuple
 
-# pip settings that uv takes as repeatable options (a pip value may list several, space-separated)
-_LIST_OPTIONS = {"extra-index-url": "--extra-index-url", "find-links": "--find-links", "constraint": "--constraint"}
+# pip settings uv takes as options of the same meaning (a pip value may list several, space-separated)
+_OPTIONS = {"index-url": "--index-url", "extra-index-url": "--extra-index-url", "find-links": "--find-links",
+            "constraint": "--constraint"}
 # pip settings that change nothing about which files get installed
 _IGNORED = {"default-timeout", "timeout", "disable-pip-version-check", "progress-bar", "no-cache-dir", "cache-dir",
             "quiet", "verbose", "root-user-action", "retries", "no-input", "no-color", "require-virtualenv"}
@@ -43,14 +44,10 @@ def uv_options(pairs: List[Tuple[str, str]]) -> Tuple[List[str], Dict[str, str]]
             continue
         if key == "cert":
             env["SSL_CERT_FILE"] = value
-        elif key == "index-url":
-            if ("--index-url", value) not in seen:
-                options += ["--index-url", value]
-                seen.add(("--index-url", value))
-        elif key in _LIST_OPTIONS:
+        elif key in _OPTIONS:
             for item in value.split():
                 if (key, item) not in seen:
-                    options += [_LIST_OPTIONS[key], item]
+                    options += [_OPTIONS[key], item]
                     seen.add((key, item))
         else:
             raise ValueError(f"pip setting {key}={value!r} has no uv equivalent here")

@@ -1,8 +1,8 @@
 """Split resource pools (trainer.v1.trainer_mode=separate_async): a trainer group without a rollout and a
 rollout-only group on a pool of its own, the weights crossing through Ray's object store after every
-update. Zero batches ahead keeps the rollout on the trainer's current weights at every step (here with a
-LoRA adapter merged into the weights it sends). (One batch ahead, resume and a broken transfer: test_split_pools_ahead.py, which runs in
-the other test stream.)"""
+update. Zero batches ahead keeps the rollout on the trainer's current weights at every step (here with
+a LoRA adapter merged into the weights it sends). (One batch ahead, resume and a broken transfer:
+test_split_pools_ahead.py, which runs in the other test stream.)"""
 
 import json
 import os
