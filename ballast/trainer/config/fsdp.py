@@ -9,10 +9,10 @@ actor's (the reference model shares the actor's device mesh, as in verl), `criti
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 from ballast.trainer.config.loader import ConfigError
-from ballast.trainer.config.schema import BallastConfig, FSDPConfig
+from ballast.trainer.config.schema import BallastConfig, FSDPConfig, MixedPrecisionSection
 
 ACTOR = "actor_rollout_ref.actor.fsdp_config"
 REF = "actor_rollout_ref.ref.fsdp_config"
@@ -30,7 +30,8 @@ def placements(cfg: BallastConfig) -> List[Tuple[str, FSDPConfig]]:
 
 
 def role_fsdp(cfg: BallastConfig, role: str) -> FSDPConfig:
-    """The settings `role` (`actor`, `ref` or `critic`) runs with, every field set."""
+    """The settings `role` (`actor`, `ref` or `critic`) runs with, every field set (but `mixed_precision`'s,
+    where null is the device's default)."""
     arr = cfg.actor_rollout_ref
     if role == "actor":
         return arr.actor.fsdp_config
@@ -39,16 +40,55 @@ def role_fsdp(cfg: BallastConfig, role: str) -> FSDPConfig:
     return _over(cfg.critic.model.fsdp_config, cfg.critic.fsdp_config)
 
 
-def _over(top: FSDPConfig, base: FSDPConfig) -> FSDPConfig:
-    return FSDPConfig(**{f.name: getattr(base, f.name) if getattr(top, f.name) is None else getattr(top, f.name)
-                         for f in dataclasses.fields(FSDPConfig)})
+def _over(top, base):
+    """`top` with its null fields taken from `base` (field by field, also inside a section both have)."""
+    def pick(name):
+        mine, theirs = getattr(top, name), getattr(base, name)
+        if mine is None:
+            return theirs
+        return _over(mine, theirs) if dataclasses.is_dataclass(mine) and theirs is not None else mine
+    return type(top)(**{f.name: pick(f.name) for f in dataclasses.fields(top)})
+
+
+# verl's dtype spellings (`PrecisionType`) -> the engine's precision names. fp16 is not offered: it needs
+# loss scaling, which the engine does not do.
+DTYPE_NAMES = {"bf16": "bf16", "bfloat16": "bf16", "fp32": "fp32", "float32": "fp32", "32": "fp32"}
+HALF = ("fp16", "float16", "16")
+
+
+def role_precision(cfg: BallastConfig, role: str) -> str:
+    """The engine precision `role` runs with: `auto` (the device's default), `bf16` or `fp32`."""
+    section = role_fsdp(cfg, role).mixed_precision
+    if section is None or section.param_dtype is None:
+        return "auto"
+    return DTYPE_NAMES[str(section.param_dtype).lower()]
+
+
+def _check_precision(prefix: str, section: Optional[MixedPrecisionSection]) -> None:
+    if section is None:
+        return
+    for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+        value = getattr(section, name)
+        if value is None:
+            continue
+        dtype = DTYPE_NAMES.get(str(value).lower())
+        key = f"{prefix}.mixed_precision.{name}={value!r}"
+        if str(value).lower() in HALF:
+            raise ConfigError(f"{key}: fp16 training needs loss scaling, which Ballast does not do; use bf16")
+        if dtype is None:
+            raise ConfigError(f"{key} is not a dtype Ballast trains in: bf16 or fp32")
+        if name != "param_dtype" and dtype != "fp32":
+            raise ConfigError(f"{key}: {'gradients are reduced' if name == 'reduce_dtype' else 'buffers are kept'} "
+                              "in fp32 only (set it to fp32 or null)")
 
 
 def check_fsdp(cfg: BallastConfig) -> None:
     """verl's FSDP switches: each means what verl means, or the run stops here naming the key."""
     world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     for prefix, fsdp in placements(cfg):
-        unset = [f.name for f in dataclasses.fields(fsdp) if getattr(fsdp, f.name) is None]
+        _check_precision(prefix, fsdp.mixed_precision)
+        # mixed_precision null is verl's "the default" everywhere, not an unset field.
+        unset = [f.name for f in dataclasses.fields(fsdp) if getattr(fsdp, f.name) is None and f.name != "mixed_precision"]
         if unset and prefix not in INHERITS:
             raise ConfigError(f"{prefix}.{unset[0]}=null: set a value (only {REF} and {CRITIC_MODEL} inherit "
                               "unset fields)")

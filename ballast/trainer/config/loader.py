@@ -95,14 +95,23 @@ def _command_line_overrides() -> list:
 
 
 @functools.lru_cache(maxsize=None)
+def _section(tp) -> Optional[type]:
+    """The schema dataclass a field holds (`Section` or `Optional[Section]`), None for a plain value."""
+    if dataclasses.is_dataclass(tp):
+        return tp
+    return next((arg for arg in typing.get_args(tp) if dataclasses.is_dataclass(arg)), None)
+
+
 def _mutable_twin(cls: type) -> type:
     """A non-frozen copy of a schema dataclass (recursively): OmegaConf marks frozen dataclasses
     read-only, which would make it refuse to fill the schema with the yaml's values."""
     hints = typing.get_type_hints(cls)
     fields = []
     for f in dataclasses.fields(cls):
-        tp = hints[f.name]
-        fields.append((f.name, _mutable_twin(tp) if dataclasses.is_dataclass(tp) else tp))
+        tp, section = hints[f.name], _section(hints[f.name])
+        if section is not None:
+            tp = _mutable_twin(section) if tp is section else Optional[_mutable_twin(section)]
+        fields.append((f.name, tp))
     return dataclasses.make_dataclass(cls.__name__, fields)
 
 
@@ -110,8 +119,8 @@ def _freeze(value, cls: type):
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for f in dataclasses.fields(cls):
-        item = getattr(value, f.name)
-        kwargs[f.name] = _freeze(item, hints[f.name]) if dataclasses.is_dataclass(hints[f.name]) else item
+        item, section = getattr(value, f.name), _section(hints[f.name])
+        kwargs[f.name] = _freeze(item, section) if section is not None and item is not None else item
     return cls(**kwargs)
 
 

@@ -19,7 +19,7 @@ from typing import Optional, Tuple
 from ballast.engine import EngineConfig, OptimConfig
 from ballast.engine.config import LoraSpec
 from ballast.trainer.algorithms.policy_loss import ActorLossConfig, CriticLossConfig, critic_loss, make_actor_loss
-from ballast.trainer.config import BallastConfig, DerivedSizes, role_fsdp
+from ballast.trainer.config import BallastConfig, DerivedSizes, role_fsdp, role_precision
 from ballast.trainer.config.keys import build
 from ballast.trainer.config.loader import ConfigError
 from ballast.trainer.config.off_policy import split_pools
@@ -105,7 +105,7 @@ def _engine(cfg: BallastConfig, role: str, model, sp: int, grad_clip: Optional[f
         # FSDP2 CPU offload: verl's offload_policy; for the optimizer-less reference also its param_offload.
         cpu_offload=bool(fsdp.offload_policy or (role == "ref" and fsdp.param_offload)),
         reshard_after_forward=fsdp.reshard_after_forward, grad_clip=grad_clip, optim=optim,
-        fsdp_size=fsdp.fsdp_size,
+        fsdp_size=fsdp.fsdp_size, precision=role_precision(cfg, role),
         trust_remote_code=model.trust_remote_code, lora=lora,
     )
 

@@ -23,7 +23,8 @@ from ballast.trainer.config.schema.algorithm import (
 from ballast.trainer.config.schema.choice import Choice
 from ballast.trainer.config.schema.critic import CriticConfig, CriticModelConfig
 from ballast.trainer.config.schema.data import DataConfig, Truncation
-from ballast.trainer.config.schema.model import FSDPConfig, LossAggMode, ModelConfig, OptimSection, Strategy
+from ballast.trainer.config.schema.model import (FSDPConfig, LossAggMode, MixedPrecisionSection, ModelConfig,
+                                                 OptimSection, Strategy)
 from ballast.trainer.config.schema.rollout import RolloutMode, RolloutSection, ValKwargs
 from ballast.trainer.config.schema.trainer import RayInitConfig, ResumeMode, TrainerConfig
 
@@ -68,7 +69,7 @@ class BallastConfig:
 __all__ = [
     "ActorConfig", "ActorRolloutRefConfig", "AlgorithmConfig", "BallastConfig", "Choice", "CriticConfig",
     "CriticModelConfig", "CustomRewardConfig", "DataConfig", "FSDPConfig", "FilterGroupsConfig", "KLControlConfig",
-    "KLControlType", "LossAggMode", "ModelConfig", "OptimSection", "OverlongBufferConfig", "PolicyLossConfig",
+    "KLControlType", "LossAggMode", "MixedPrecisionSection", "ModelConfig", "OptimSection", "OverlongBufferConfig", "PolicyLossConfig",
     "RayInitConfig", "RefConfig", "ResumeMode", "RewardConfig", "RewardManagerName", "RewardModelConfig",
     "RolloutMode", "RolloutSection", "Strategy", "TrainerConfig", "Truncation", "ValKwargs",
 ]

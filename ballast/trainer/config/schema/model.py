@@ -76,6 +76,20 @@ class OptimSection:
 
 
 @dataclass(frozen=True)
+class MixedPrecisionSection:
+    """verl's `fsdp_config.mixed_precision`: the dtypes FSDP2 computes, reduces gradients and keeps buffers
+    in. Master weights and optimizer states stay fp32 whatever is set here."""
+
+    param_dtype: Optional[str]
+    """Compute dtype of forward and backward: `bf16` or `fp32` (verl's spellings `bfloat16`, `float32`
+    too); null: bf16 on CUDA, fp32 on CPU."""
+    reduce_dtype: Optional[str]
+    """Dtype gradients are reduced in: `fp32` (the only one; null means it)."""
+    buffer_dtype: Optional[str]
+    """Dtype of the model's buffers: `fp32` (the only one; null means it)."""
+
+
+@dataclass(frozen=True)
 class FSDPConfig:
     """A role's FSDP2 sharding and offload: `actor_rollout_ref.actor.fsdp_config`, `critic.fsdp_config`,
     and two placements whose unset (null) fields inherit: `actor_rollout_ref.ref.fsdp_config` from the
@@ -97,3 +111,6 @@ class FSDPConfig:
     gradients summed across them; 1 keeps a whole replica on every worker (no parameter all-gathers and a
     local weight sync, for models small next to the worker's memory). The reference model shares the
     actor's device mesh, so its own value can only repeat the actor's."""
+    mixed_precision: Optional[MixedPrecisionSection]
+    """Compute precision (verl's key). null: the device's default (bf16 compute on CUDA, fp32 on CPU);
+    in the reference's and `critic.model`'s sections, the section they inherit from."""

@@ -44,6 +44,8 @@ def _schema_fields(cls=BallastConfig, prefix=""):
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
+        # an optional section (Optional[Section]) is a section too
+        tp = next((a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)), tp)
         owner = next(c for c in cls.__mro__ if f.name in getattr(c, "__annotations__", {}))
         yield prefix + f.name, owner.__name__, f.name, dataclasses.is_dataclass(tp)
         if dataclasses.is_dataclass(tp):

@@ -32,6 +32,7 @@ def _field_tree(cls):
     tree = {}
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
+        tp = next((a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)), tp)  # Optional[Section]
         tree[f.name] = _field_tree(tp) if dataclasses.is_dataclass(tp) else None
     return tree
 
