@@ -96,6 +96,7 @@ def prepare_typed(cfg: BallastConfig) -> PreparedRun:
     _check_model_files(cfg)
     tokenizer, data = read_data(cfg)
     plan = plan_run(cfg, model, data.total_steps)
+    _announce_precision(cfg, plan)
     _check_rollout_backend(cfg)
     try:
         reward = RewardManager.from_config(tokenizer, cfg.custom_reward_function.path, cfg.custom_reward_function.name,
@@ -104,6 +105,17 @@ def prepare_typed(cfg: BallastConfig) -> PreparedRun:
     except (ValueError, OSError, ImportError) as err:  # the messages name the file and the function
         raise InputError(str(err)) from err
     return PreparedRun(cfg=cfg, plan=plan, data=data, reward=reward)
+
+
+def _announce_precision(cfg: BallastConfig, plan) -> None:
+    from ballast.trainer.config.fsdp import precision_notes
+    from ballast.trainer.run.preflight import cpu_has_native_bf16, say
+
+    arr = plan.specs.actor_rollout_ref
+    roles = [role for role, spec in (("actor", arr.actor), ("ref", arr.ref),
+                                     ("critic", plan.specs.critic and plan.specs.critic.critic)) if spec is not None]
+    for line in precision_notes(cfg, roles, cpu_has_native_bf16()):
+        say(line)
 
 
 def read_data(cfg: BallastConfig):

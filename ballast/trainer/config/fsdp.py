@@ -64,6 +64,20 @@ def role_precision(cfg: BallastConfig, role: str) -> str:
     return DTYPE_NAMES[str(section.param_dtype).lower()]
 
 
+def precision_notes(cfg: BallastConfig, roles: List[str], native_bf16: bool) -> List[str]:
+    """Start-up lines about the compute precision of `roles` when any is set explicitly, and a warning
+    when bf16 compute runs on a CPU that has no bf16 instructions (`native_bf16` false)."""
+    chosen = {role: role_precision(cfg, role) for role in roles}
+    if all(p == "auto" for p in chosen.values()):
+        return []
+    lines = ["compute precision: " + ", ".join(f"{role} {p}" for role, p in chosen.items())
+             + " (auto: bf16 on CUDA, fp32 on CPU; master weights, gradients and optimizer states stay fp32)"]
+    if cfg.trainer.device == "cpu" and "bf16" in chosen.values() and not native_bf16:
+        lines.append("warning: bf16 compute on a CPU without bf16 instructions (avx512_bf16, amx_bf16): its "
+                     "matmuls are emulated and slower than fp32; unset fsdp_config.mixed_precision.param_dtype")
+    return lines
+
+
 def _check_precision(prefix: str, section: Optional[MixedPrecisionSection]) -> None:
     if section is None:
         return

@@ -37,7 +37,7 @@ def claim_run_dir(cfg: BallastConfig) -> Tuple[ResumePoint, RunDirLock]:
         point = resume_point(t)
         moved = check_fresh_start(t.default_local_dir, t.resume_mode, point.checkpoint, t.move_old_run_aside)
         if moved:
-            _say(f"moved the run that was in {t.default_local_dir!r} to {moved!r} (trainer.move_old_run_aside=true"
+            say(f"moved the run that was in {t.default_local_dir!r} to {moved!r} (trainer.move_old_run_aside=true"
                  f"{'; it had no complete checkpoint to continue from' if t.resume_mode == 'auto' else ''})")
         if not point.fresh:
             CheckpointManager(t.default_local_dir).warn_if_low_on_space()
@@ -66,7 +66,7 @@ def resume_point(t: TrainerConfig) -> ResumePoint:
     if mode == "auto":
         path, warnings = choose_checkpoint(os.path.abspath(os.path.expanduser(t.default_local_dir)), verify=True)
         for line in warnings:
-            _say(f"warning: {line}")
+            say(f"warning: {line}")
         return ResumePoint() if path is None else _point(path)
     path = os.path.abspath(os.path.expanduser(t.resume_from_path if mode == "resume_path" else mode))
     problem = verify_checkpoint(path)
@@ -88,5 +88,18 @@ def _point(path: str) -> ResumePoint:
     return ResumePoint(path.rstrip(os.sep), step)
 
 
-def _say(line: str) -> None:
+def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this machine's CPU multiplies bf16 natively (x86 avx512_bf16 / amx_bf16, Arm bf16); False
+    where that cannot be read."""
+    try:
+        with open(cpuinfo) as f:
+            flags = next((line.split(":", 1)[1].split() for line in f
+                          if line.split(":", 1)[0].strip() in ("flags", "Features")), [])
+    except OSError:
+        return False
+    return bool({"avx512_bf16", "amx_bf16", "bf16"} & set(flags))
+
+
+def say(line: str) -> None:
+    """A start-up line on stderr, as `ballast: <line>`."""
     print(f"ballast: {line}", file=sys.stderr, flush=True)

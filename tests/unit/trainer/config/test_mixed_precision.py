@@ -60,3 +60,32 @@ def test_critic_model_spelling_inherits_field_by_field():
 def test_values_ballast_does_not_train_with_are_refused_naming_the_key(override, fragment):
     with pytest.raises(ConfigError, match=fragment):
         _precisions(override)
+
+
+def test_start_up_names_the_precision_only_when_set_and_warns_without_bf16_instructions():
+    from ballast.trainer.config.fsdp import precision_notes
+
+    roles = ["actor", "ref", "critic"]
+    assert precision_notes(load_config(BASE), roles, native_bf16=False) == []
+    cpu_bf16 = load_config(BASE + ["trainer.device=cpu", f"{ACTOR}.param_dtype=bf16"])
+    lines = precision_notes(cpu_bf16, roles, native_bf16=True)
+    assert len(lines) == 1 and lines[0].startswith("compute precision: actor bf16, ref bf16, critic auto")
+    lines = precision_notes(cpu_bf16, roles, native_bf16=False)
+    assert len(lines) == 2 and "without bf16 instructions" in lines[1]
+    cuda_bf16 = load_config(BASE + ["trainer.device=cuda", f"{ACTOR}.param_dtype=bf16"])
+    assert len(precision_notes(cuda_bf16, roles, native_bf16=False)) == 1  # GPUs have bf16
+
+
+def test_native_bf16_is_read_from_the_cpu_flags(tmp_path):
+    from ballast.trainer.run.preflight import cpu_has_native_bf16
+
+    def cpuinfo(flags_line):
+        path = tmp_path / "cpuinfo"
+        path.write_text(f"processor\t: 0\nmodel name\t: Some CPU\n{flags_line}\n\nprocessor\t: 1\n")
+        return str(path)
+
+    assert cpu_has_native_bf16(cpuinfo("flags\t\t: fpu sse avx2 avx512f avx512_bf16 avx512_vnni"))
+    assert cpu_has_native_bf16(cpuinfo("flags\t\t: fpu avx512f amx_tile amx_bf16"))
+    assert cpu_has_native_bf16(cpuinfo("Features\t: fp asimd bf16 i8mm"))  # Arm
+    assert not cpu_has_native_bf16(cpuinfo("flags\t\t: fpu sse avx2 fma avx512f avx512bw"))
+    assert not cpu_has_native_bf16(str(tmp_path / "missing"))
