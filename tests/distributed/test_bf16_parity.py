@@ -16,7 +16,10 @@ import os
 import torch
 import transformers
 
+import pytest
+
 from ballast.engine import EngineConfig, MicroBatchSpec, OptimConfig, TrainEngine, agg_loss
+from ballast.engine.config import LoraSpec
 from testkit.engine import full, make_rl_batch, spawn_ranks
 
 transformers.utils.logging.disable_progress_bar()
@@ -40,14 +43,15 @@ def _grad_vector(engine):
     return torch.cat([full(p.grad).float().reshape(-1) for p in engine.model.parameters() if p.grad is not None])
 
 
-def _worker(rank, world, root, model_dir):
+def _worker(rank, world, root, model_dir, lora_rank):
     from tensordict import TensorDict
 
     from ballast.engine.dist import build_parallel_state
 
     data = TensorDict(torch.load(os.path.join(root, "data.pt"), weights_only=True), batch_size=[8])
     rows = data[rank * 4:(rank + 1) * 4]
-    fp32 = EngineConfig(model_path=model_dir, precision="fp32", optim=OptimConfig(lr=1e-2), grad_clip=1.0)
+    fp32 = EngineConfig(model_path=model_dir, precision="fp32", optim=OptimConfig(lr=1e-2), grad_clip=1.0,
+                        lora=LoraSpec(rank=lora_rank, alpha=2 * lora_rank) if lora_rank else LoraSpec())
     report = {}
     for name, cfg in (("fp32", fp32), ("bf16", dataclasses.replace(fp32, precision="bf16"))):
         engine = TrainEngine(cfg, parallel=build_parallel_state(1, "cpu"))
@@ -69,12 +73,13 @@ def _worker(rank, world, root, model_dir):
             json.dump(report, f)
 
 
-def test_bf16_compute_stays_within_its_documented_tolerance_of_fp32(tmp_path):
+@pytest.mark.parametrize("lora_rank", [0, 4], ids=["full", "lora"])
+def test_bf16_compute_stays_within_its_documented_tolerance_of_fp32(tmp_path, lora_rank):
     from ballast.models import tiny_model_dir
 
     data = make_rl_batch([4, 9, 2, 15, 7, 3, 11, 5], [20, 3, 40, 12, 30, 8, 25, 16], vocab_size=500, seed=3)
     torch.save(data.to_dict(), tmp_path / "data.pt")
-    spawn_ranks(_worker, 2, args=(str(tmp_path), str(tiny_model_dir("tiny"))), timeout_s=300)
+    spawn_ranks(_worker, 2, args=(str(tmp_path), str(tiny_model_dir("tiny")), lora_rank), timeout_s=300)
     rep = json.loads((tmp_path / "report.json").read_text())
     fp32, bf16 = rep["fp32"], rep["bf16"]
 
