@@ -3,14 +3,15 @@ Instruct's arithmetic task, examples/run_grpo_smollm2_cpu.sh), same steps, same 
 
 * `fp32`: the run as it is (fp32 training, fp32 vLLM rollout);
 * `bf16`: `actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16` (bf16 compute, fp32
-  master weights and AdamW states) and `actor_rollout_ref.rollout.dtype=bfloat16`.
+  master weights and AdamW states) and `actor_rollout_ref.rollout.dtype=bfloat16`;
+* `bf16_train`: the same bf16 training with the fp32 vLLM rollout (which also scores the held-out set).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/precision_learning.py --steps 10 --seeds 1,2 --json out.json
 
 Per variant and seed: the held-out greedy score curve (`val/score/mean`, each variant evaluated by its
 own rollout engine, so the step-0 scores of the two differ by the rollout's precision alone), the
 mean train score of the last half of the steps, s/step and the update and generation seconds; then,
-per seed, bf16's final held-out score minus fp32's. `--resume` keeps the runs `--json` already holds.
+per bf16 variant and seed, its final held-out score minus fp32's. `--resume` keeps the runs `--json` already holds.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ VARIANTS = {
     "fp32": [],
     "bf16": ["actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16",
              "actor_rollout_ref.rollout.dtype=bfloat16"],
+    "bf16_train": ["actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16"],
 }
 
 
@@ -43,16 +45,19 @@ def run(name: str, seed: int, args) -> dict:
             "gen_s": median("timing_s/gen", steps)}
 
 
-def gaps(results: List[dict]) -> Dict[int, float]:
-    """Per seed: bf16's final held-out score minus fp32's."""
+def gaps(results: List[dict]) -> Dict[str, Dict[int, float]]:
+    """Per bf16 variant, per seed: its final held-out score minus fp32's."""
     final = {(r["variant"], r["seed"]): r["val_final"] for r in results if r["val_final"] is not None}
-    return {seed: final[("bf16", seed)] - final[("fp32", seed)] for (variant, seed) in final
-            if variant == "bf16" and ("fp32", seed) in final}
+    out: Dict[str, Dict[int, float]] = {}
+    for (variant, seed), score in final.items():
+        if variant != "fp32" and ("fp32", seed) in final:
+            out.setdefault(variant, {})[seed] = score - final[("fp32", seed)]
+    return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    readme_run.add_arguments(p, "precision_learning", "fp32,bf16")
+    readme_run.add_arguments(p, "precision_learning", "fp32,bf16_train,bf16")
     args = p.parse_args()
     readme_run.resolve_task(args)
     results = readme_run.completed_runs(args)
@@ -67,7 +72,7 @@ def main() -> None:
             if args.json:  # after every run: a later failure keeps what ran
                 with open(args.json, "w") as f:
                     json.dump({"steps": args.steps, "results": results, "bf16_minus_fp32": gaps(results)}, f, indent=1)
-    print("bf16 final held-out score minus fp32's, per seed:", gaps(results))
+    print("final held-out score minus fp32's, per variant and seed:", gaps(results))
 
 
 if __name__ == "__main__":
