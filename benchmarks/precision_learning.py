@@ -17,7 +17,6 @@ per bf16 variant and seed, its final held-out score minus fp32's. `--resume` kee
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from typing import Dict, List
 
@@ -60,18 +59,8 @@ def main() -> None:
     readme_run.add_arguments(p, "precision_learning", "fp32,bf16_train,bf16")
     args = p.parse_args()
     readme_run.resolve_task(args)
-    results = readme_run.completed_runs(args)
-    done = {(r["variant"], r["seed"]) for r in results}
-    for seed in (int(s) for s in args.seeds.split(",")):
-        for name in args.variants.split(","):
-            if (name, seed) in done:
-                continue
-            results.append(run(name, seed, args))
-            print(json.dumps({k: results[-1][k] for k in ("variant", "seed", "exit_code", "val_curve", "s_per_step",
-                                                         "update_s", "gen_s")}), flush=True)
-            if args.json:  # after every run: a later failure keeps what ran
-                with open(args.json, "w") as f:
-                    json.dump({"steps": args.steps, "results": results, "bf16_minus_fp32": gaps(results)}, f, indent=1)
+    results = readme_run.sweep(args, run, ("val_curve", "s_per_step", "update_s", "gen_s"),
+                               lambda done: {"steps": args.steps, "results": done, "bf16_minus_fp32": gaps(done)})
     print("final held-out score minus fp32's, per variant and seed:", gaps(results))
 
 

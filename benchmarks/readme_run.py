@@ -2,7 +2,7 @@
 arithmetic task) as a building block for experiments that compare variants of it over seeds
 (benchmarks/rollout_correction_mismatch.py, benchmarks/lora_learning.py): its overrides, the shared
 command-line arguments, one run as a subprocess with its metrics read back, the held-out summary,
-and `--resume` of an interrupted sweep.
+and the sweep over variants and seeds with `--resume` of an interrupted one.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -122,3 +122,22 @@ def run_summary(name: str, seed: int, rows: List[dict], wall: float, code: int, 
         "val_start": val[0][1] if val else None, "val_best": max(v for _, v in val) if val else None,
         "train_score_last_half": mean("critic/score/mean", steps[len(steps) // 2:]),
     }
+
+
+def sweep(args: argparse.Namespace, run: Callable[[str, int, argparse.Namespace], dict], shown: Sequence[str],
+          document: Callable[[List[dict]], dict]) -> List[dict]:
+    """Run every (variant, seed) of `args` not already done (`--resume`), in seed order; print each
+    result's `shown` keys as it ends and rewrite `--json` (`document(results)`) after every run, so a
+    later failure keeps what ran. Returns all results."""
+    results = completed_runs(args)
+    done = {(r["variant"], r["seed"]) for r in results}
+    for seed in (int(s) for s in args.seeds.split(",")):
+        for name in args.variants.split(","):
+            if (name, seed) in done:
+                continue
+            results.append(run(name, seed, args))
+            print(json.dumps({k: results[-1][k] for k in ("variant", "seed", "exit_code", *shown)}), flush=True)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(document(results), f, indent=1)
+    return results

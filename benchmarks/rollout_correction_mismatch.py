@@ -22,7 +22,6 @@ of the steps, the mean mismatch over the steps and s/step, as JSON and as a mark
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from typing import List
 
@@ -72,18 +71,8 @@ def main() -> None:
     p.add_argument("--preset", default="decoupled_token_is")
     args = p.parse_args()
     readme_run.resolve_task(args)
-    results = readme_run.completed_runs(args)
-    done = {(r["variant"], r["seed"]) for r in results}
-    for seed in (int(s) for s in args.seeds.split(",")):
-        for name in args.variants.split(","):
-            if (name, seed) in done:
-                continue
-            results.append(run(name, seed, args))
-            print(json.dumps({k: results[-1][k] for k in ("variant", "seed", "exit_code", "val_final",
-                                                          "rollout_corr_k3_kl", "s_per_step")}), flush=True)
-            if args.json:  # after every run: a later failure keeps what ran
-                with open(args.json, "w") as f:
-                    json.dump({"preset": args.preset, "steps": args.steps, "results": results}, f, indent=1)
+    results = readme_run.sweep(args, run, ("val_final", "rollout_corr_k3_kl", "s_per_step"),
+                               lambda done: {"preset": args.preset, "steps": args.steps, "results": done})
     print(table(results))
 
 
