@@ -14,5 +14,6 @@ from ballast.trainer.config.validate import check_rules
 
 __all__ = [
     "BallastConfig", "CONFIG_DIR", "ConfigError", "DerivedSizes", "ModelInfo", "RoleSizes", "actor_uses_lora",
-    "check_rules", "compose", "derive_sizes", "load_config", "role_fsdp", "role_precision", "to_typed", "uses_critic", "uses_reference",
+    "check_rules", "compose", "derive_sizes", "load_config", "role_fsdp", "role_precision", "to_typed", "uses_critic",
+    "uses_reference",
 ]

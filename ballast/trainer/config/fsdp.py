@@ -102,7 +102,8 @@ def check_fsdp(cfg: BallastConfig) -> None:
     for prefix, fsdp in placements(cfg):
         _check_precision(prefix, fsdp.mixed_precision)
         # mixed_precision null is verl's "the default" everywhere, not an unset field.
-        unset = [f.name for f in dataclasses.fields(fsdp) if getattr(fsdp, f.name) is None and f.name != "mixed_precision"]
+        unset = [f.name for f in dataclasses.fields(fsdp)
+                 if getattr(fsdp, f.name) is None and f.name != "mixed_precision"]
         if unset and prefix not in INHERITS:
             raise ConfigError(f"{prefix}.{unset[0]}=null: set a value (only {REF} and {CRITIC_MODEL} inherit "
                               "unset fields)")

@@ -94,7 +94,6 @@ def _command_line_overrides() -> list:
     return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
-@functools.lru_cache(maxsize=None)
 def _section(tp) -> Optional[type]:
     """The schema dataclass a field holds (`Section` or `Optional[Section]`), None for a plain value."""
     if dataclasses.is_dataclass(tp):
@@ -102,6 +101,7 @@ def _section(tp) -> Optional[type]:
     return next((arg for arg in typing.get_args(tp) if dataclasses.is_dataclass(arg)), None)
 
 
+@functools.lru_cache(maxsize=None)
 def _mutable_twin(cls: type) -> type:
     """A non-frozen copy of a schema dataclass (recursively): OmegaConf marks frozen dataclasses
     read-only, which would make it refuse to fill the schema with the yaml's values."""

@@ -6,7 +6,8 @@ the checkpoint directory the run will load, verified against its checksums, or a
 to start a new run on top of an old one (or moves the old one aside when asked), so the driver and the
 workers never look at `resume_mode` or the marker file again. `refuse_early` makes the checks of the
 directory that need neither the lock nor the data, so a launch into a busy or occupied directory is
-refused in a second, before the tokenizer and the data are read.
+refused in a second, before the tokenizer and the data are read. `cpu_has_native_bf16` tells the
+start-up whether bf16 compute on this machine's CPU is worth it.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def claim_run_dir(cfg: BallastConfig) -> Tuple[ResumePoint, RunDirLock]:
         moved = check_fresh_start(t.default_local_dir, t.resume_mode, point.checkpoint, t.move_old_run_aside)
         if moved:
             say(f"moved the run that was in {t.default_local_dir!r} to {moved!r} (trainer.move_old_run_aside=true"
-                 f"{'; it had no complete checkpoint to continue from' if t.resume_mode == 'auto' else ''})")
+                f"{'; it had no complete checkpoint to continue from' if t.resume_mode == 'auto' else ''})")
         if not point.fresh:
             CheckpointManager(t.default_local_dir).warn_if_low_on_space()
     except BaseException:

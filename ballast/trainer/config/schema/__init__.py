@@ -69,7 +69,8 @@ class BallastConfig:
 __all__ = [
     "ActorConfig", "ActorRolloutRefConfig", "AlgorithmConfig", "BallastConfig", "Choice", "CriticConfig",
     "CriticModelConfig", "CustomRewardConfig", "DataConfig", "FSDPConfig", "FilterGroupsConfig", "KLControlConfig",
-    "KLControlType", "LossAggMode", "MixedPrecisionSection", "ModelConfig", "OptimSection", "OverlongBufferConfig", "PolicyLossConfig",
+    "KLControlType", "LossAggMode", "MixedPrecisionSection", "ModelConfig", "OptimSection", "OverlongBufferConfig",
+    "PolicyLossConfig",
     "RayInitConfig", "RefConfig", "ResumeMode", "RewardConfig", "RewardManagerName", "RewardModelConfig",
     "RolloutMode", "RolloutSection", "Strategy", "TrainerConfig", "Truncation", "ValKwargs",
 ]
