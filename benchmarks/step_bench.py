@@ -38,6 +38,10 @@ single-thread fp32 matmul rate measured here before the runs. `--variant NAME=ov
 Ballast source tree at PATH instead of this one (e.g. `git archive <commit>` unpacked), so a change
 can be measured against the code before it.
 
+`--bf16`: both systems compute in bf16 with fp32 master weights (Ballast:
+`fsdp_config.mixed_precision.param_dtype=bf16` and a bf16 vLLM rollout; TRL: `bf16=True`, autocast);
+the floor and MFU stay measured against the fp32 matmul peak, so they do not apply then.
+
 `--whole-run` runs each case for as long as a user runs it (the quickstart's 120 steps, the real case
 `--real-whole-run-steps`, 30): beside the window, `whole_run` (per run) and `*_whole_run_s_per_step`
 (per case) average every step, warm-up and early short-response steps included, where fixed per-step
@@ -87,6 +91,7 @@ class Case:
     lora_rank: int = 0  # > 0: a LoRA adapter (PEFT, all-linear) instead of full fine-tuning (TRL side)
     lora_alpha: float = 0.0
     whole_run_steps: int = 30  # the length of a run as a user runs it (`--whole-run`)
+    bf16: bool = False  # both systems compute in bf16 (`--bf16`)
 
 
 def matmul_peak_flops(threads: int, seconds: float = 1.5) -> float:
@@ -171,6 +176,9 @@ def ballast_overrides(case: Case, steps: int, workers: int, out_dir: str) -> Lis
         "trainer.save_freq=-1", "trainer.resume_mode=disable", "trainer.logger=[jsonl]",
         f"trainer.default_local_dir={out_dir}",
     ]
+    if case.bf16:
+        overrides += ["actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16",
+                      "actor_rollout_ref.rollout.dtype=bfloat16"]
     if case.reward:  # a two-line reward file naming the registered function, loaded as a custom reward
         path = os.path.join(os.path.dirname(out_dir), "named_reward.py")
         with open(path, "w") as f:
@@ -262,7 +270,7 @@ def trl_main(case: Case, warmup: int, steps: int, threads: int, result_path: str
         weight_decay=0.01, max_grad_norm=1.0, beta=0.0, temperature=1.0, top_k=0, top_p=1.0,
         loss_type="dapo", scale_rewards="group", num_iterations=1, shuffle_dataset=False,
         max_steps=(warmup + steps) * case.optimizer_steps_per_step, logging_steps=1, report_to=[],
-        save_strategy="no", bf16=False, dataloader_num_workers=0, disable_tqdm=True,
+        save_strategy="no", bf16=case.bf16, dataloader_num_workers=0, disable_tqdm=True,
     )
     marks: List[float] = []
 
@@ -332,7 +340,7 @@ def build_cases(args) -> List[Case]:
                           optimizer_steps_per_step=args.real_optimizer_steps, lr=args.real_lr,
                           max_token_len_per_worker=args.real_max_token_len, reward=args.real_reward,
                           whole_run_steps=args.real_whole_run_steps))
-    return cases
+    return [dataclasses.replace(case, bf16=True) for case in cases] if args.bf16 else cases
 
 
 def ensure_quickstart() -> None:
@@ -468,6 +476,8 @@ def main() -> None:
     p.add_argument("--real-optimizer-steps", type=int, default=1)
     p.add_argument("--real-lr", type=float, default=1e-6)
     p.add_argument("--real-max-token-len", type=int, default=4096)
+    p.add_argument("--bf16", action="store_true",
+                   help="both systems compute in bf16 (Ballast: mixed_precision bf16 + bf16 vLLM; TRL: bf16=True)")
     p.add_argument("--lora", type=int, default=0, metavar="RANK",
                    help="also run a rank-RANK all-linear LoRA adapter (Ballast variant `lora`, TRL with PEFT)")
     p.add_argument("--lora-lr", type=float, help="the LoRA runs' learning rate (default: the case's)")
