@@ -1,0 +1,34 @@
+"""benchmarks/step_bench.py's Ballast command line is a valid config for every case it builds: its
+overrides pass the trainer's loader, and `--bf16` reaches the engines through verl's precision keys
+(the bench's "same work, both in bf16" claim rests on them)."""
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+from ballast.trainer.config import load_config, role_precision
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "step_bench.py"
+_spec = importlib.util.spec_from_file_location("step_bench", SCRIPT)
+step_bench = importlib.util.module_from_spec(_spec)
+sys.modules.setdefault("step_bench", step_bench)  # its dataclasses look their module up while being built
+_spec.loader.exec_module(step_bench)
+
+
+def _cases(bf16: bool):
+    args = argparse.Namespace(cases="quickstart,real", real_model_dir="/models/smollm2", real_train_file="/d/t.parquet",
+                              real_prompts=8, real_n=4, real_max_new_tokens=32, real_max_prompt_length=256,
+                              real_optimizer_steps=1, real_lr=1e-6, real_max_token_len=4096, real_reward=None,
+                              real_whole_run_steps=30, bf16=bf16)
+    return step_bench.build_cases(args)
+
+
+def test_the_bench_config_loads_and_bf16_reaches_the_actor_and_the_rollout(tmp_path):
+    for bf16 in (False, True):
+        for case in _cases(bf16):
+            assert case.bf16 is bf16
+            cfg = load_config(step_bench.ballast_overrides(case, steps=4, workers=2, out_dir=str(tmp_path / "run")))
+            assert role_precision(cfg, "actor") == ("bf16" if bf16 else "auto")
+            assert cfg.actor_rollout_ref.rollout.dtype == ("bfloat16" if bf16 else "auto")
+            assert cfg.data.train_batch_size == case.prompts_per_step
