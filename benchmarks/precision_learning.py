@@ -36,10 +36,10 @@ def run(name: str, seed: int, args) -> dict:
     if name not in VARIANTS:
         raise ValueError(f"unknown variant {name!r} ({', '.join(VARIANTS)})")
     extra = [f"actor_rollout_ref.actor.optim.lr={LR}", *VARIANTS[name]]
-    rows, wall, code = readme_run.run_trainer(args, seed, extra, os.path.join(args.log_dir, f"{name}_seed{seed}.log"))
+    log = os.path.join(args.log_dir, f"{name}_seed{seed}.log")
+    rows, wall, code = readme_run.run_trainer(args, seed, extra, log)
     steps = step_rows(rows)
-    return {**readme_run.run_summary(name, seed, rows, wall, code, os.path.join(args.log_dir, f"{name}_seed{seed}.log"),
-                                     extra),
+    return {**readme_run.run_summary(name, seed, rows, wall, code, log, extra),
             "s_per_step": median("timing_s/step", steps), "update_s": median("timing_s/update_actor", steps),
             "gen_s": median("timing_s/gen", steps)}
 

@@ -111,10 +111,10 @@ def _announce_precision(cfg: BallastConfig, plan) -> None:
     from ballast.trainer.config.fsdp import precision_notes
     from ballast.trainer.run.preflight import cpu_has_native_bf16, say
 
-    arr = plan.specs.actor_rollout_ref
-    roles = [role for role, spec in (("actor", arr.actor), ("ref", arr.ref),
-                                     ("critic", plan.specs.critic and plan.specs.critic.critic)) if spec is not None]
-    for line in precision_notes(cfg, roles, cpu_has_native_bf16()):
+    arr, critic = plan.specs.actor_rollout_ref, plan.specs.critic
+    engines = {"actor": arr.actor, "ref": arr.ref, "critic": critic.critic if critic is not None else None}
+    precisions = {role: engine.precision for role, engine in engines.items() if engine is not None}
+    for line in precision_notes(precisions, cfg.trainer.device, cpu_has_native_bf16()):
         say(line)
 
 

@@ -9,7 +9,7 @@ actor's (the reference model shares the actor's device mesh, as in verl), `criti
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from ballast.trainer.config.loader import ConfigError
 from ballast.trainer.config.schema import BallastConfig, FSDPConfig, MixedPrecisionSection
@@ -64,15 +64,14 @@ def role_precision(cfg: BallastConfig, role: str) -> str:
     return DTYPE_NAMES[str(section.param_dtype).lower()]
 
 
-def precision_notes(cfg: BallastConfig, roles: List[str], native_bf16: bool) -> List[str]:
-    """Start-up lines about the compute precision of `roles` when any is set explicitly, and a warning
-    when bf16 compute runs on a CPU that has no bf16 instructions (`native_bf16` false)."""
-    chosen = {role: role_precision(cfg, role) for role in roles}
-    if all(p == "auto" for p in chosen.values()):
+def precision_notes(precisions: Dict[str, str], device: str, native_bf16: bool) -> List[str]:
+    """Start-up lines about the engines' compute precisions (role -> `EngineConfig.precision`) when any is
+    set explicitly, and a warning when bf16 compute runs on a CPU without bf16 instructions."""
+    if all(p == "auto" for p in precisions.values()):
         return []
-    lines = ["compute precision: " + ", ".join(f"{role} {p}" for role, p in chosen.items())
+    lines = ["compute precision: " + ", ".join(f"{role} {p}" for role, p in precisions.items())
              + " (auto: bf16 on CUDA, fp32 on CPU; master weights, gradients and optimizer states stay fp32)"]
-    if cfg.trainer.device == "cpu" and "bf16" in chosen.values() and not native_bf16:
+    if device == "cpu" and "bf16" in precisions.values() and not native_bf16:
         lines.append("warning: bf16 compute on a CPU without bf16 instructions (avx512_bf16, amx_bf16): its "
                      "matmuls are emulated and slower than fp32; unset fsdp_config.mixed_precision.param_dtype")
     return lines
@@ -85,9 +84,10 @@ def _check_precision(prefix: str, section: Optional[MixedPrecisionSection]) -> N
         value = getattr(section, name)
         if value is None:
             continue
-        dtype = DTYPE_NAMES.get(str(value).lower())
+        spelled = str(value).lower()
+        dtype = DTYPE_NAMES.get(spelled)
         key = f"{prefix}.mixed_precision.{name}={value!r}"
-        if str(value).lower() in HALF:
+        if spelled in HALF:
             raise ConfigError(f"{key}: fp16 training needs loss scaling, which Ballast does not do; use bf16")
         if dtype is None:
             raise ConfigError(f"{key} is not a dtype Ballast trains in: bf16 or fp32")

@@ -66,14 +66,14 @@ def test_start_up_names_the_precision_only_when_set_and_warns_without_bf16_instr
     from ballast.trainer.config.fsdp import precision_notes
 
     roles = ["actor", "ref", "critic"]
-    assert precision_notes(load_config(BASE), roles, native_bf16=False) == []
-    cpu_bf16 = load_config(BASE + ["trainer.device=cpu", f"{ACTOR}.param_dtype=bf16"])
-    lines = precision_notes(cpu_bf16, roles, native_bf16=True)
+    default = dict(zip(roles, _precisions()))
+    assert precision_notes(default, "cpu", native_bf16=False) == []
+    bf16 = dict(zip(roles, _precisions(f"{ACTOR}.param_dtype=bf16")))
+    lines = precision_notes(bf16, "cpu", native_bf16=True)
     assert len(lines) == 1 and lines[0].startswith("compute precision: actor bf16, ref bf16, critic auto")
-    lines = precision_notes(cpu_bf16, roles, native_bf16=False)
+    lines = precision_notes(bf16, "cpu", native_bf16=False)
     assert len(lines) == 2 and "without bf16 instructions" in lines[1]
-    cuda_bf16 = load_config(BASE + ["trainer.device=cuda", f"{ACTOR}.param_dtype=bf16"])
-    assert len(precision_notes(cuda_bf16, roles, native_bf16=False)) == 1  # GPUs have bf16
+    assert len(precision_notes(bf16, "cuda", native_bf16=False)) == 1  # GPUs have bf16
 
 
 def test_native_bf16_is_read_from_the_cpu_flags(tmp_path):
