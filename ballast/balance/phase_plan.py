@@ -18,6 +18,11 @@ Micro-batch modes (:class:`MicroBatchMode`): ``static`` (chunks of ``micro_batch
 number of micro-batches; an empty micro-batch (only where a rank holds fewer rows than the agreed
 count, which the trainer's equal-count layout never produces) is a zero-weight step for the engine.
 
+Shared prompts. With ``shared_prompts`` (a prompt id per row) the rows of one prompt form a unit
+that is never split: the plan is made over units (their executed tokens: the prompt once plus every
+response) and expanded to rows, and its mini-batches say ``shared_prompts=True`` so that the engine
+runs each unit's prompt once (:mod:`ballast.balance.shared_prompts`).
+
 Objective. With balancing on, the DP partition and the micro-batches are chosen for how the engine
 synchronises (see :class:`ballast.balance.step_plan.PlanObjective` when passed as ``objective``):
 per-micro-batch collectives (FSDP2) wait on the lockstep cost, one gradient sync per mini-batch
@@ -36,6 +41,7 @@ from .bucketing import bucket_ids, check_bucket_boundaries, min_bucketed_micro_b
 from .dp_balance import balance_batch
 from .micro_batch import inverse_permutation, min_micro_batches, plan_dynamic_micro_batches
 from .partition import validate_partition
+from .shared_prompts import PromptUnits, prompt_units, shared_lengths
 from .step_plan import plan_step
 from .workload import Workload, _as_lengths
 
@@ -77,6 +83,7 @@ class MiniBatchPlan:
 
     micro_batches: tuple[tuple[np.ndarray, ...], ...]
     token_budget: Optional[int] = None  # the hard cap the engine checks (None: static)
+    shared_prompts: bool = False  # rows sharing a prompt run it once (their tokens count it once)
 
     @property
     def dp_size(self) -> int:
@@ -151,6 +158,7 @@ def plan_phase(
     prompt_lengths: Optional[Sequence[int]] = None,
     objective: Any = None,
     partitions: Optional[Sequence[Sequence[int]]] = None,
+    shared_prompts: Optional[Sequence[Any]] = None,
 ) -> PhasePlan:
     """Plan every (epoch, mini-batch) of one phase over ``lengths`` (prompt + response tokens per row).
 
@@ -159,8 +167,13 @@ def plan_phase(
     ``balance``: balance each mini-batch over the ranks by ``workload`` (else a contiguous split);
     ``prompt_lengths``: needed by the bucketed mode; ``objective``: passed to :func:`plan_step`;
     ``partitions``: a fixed DP partition (an engine used alone: rank r holds exactly these rows), one
-    mini-batch, no shuffle. Deterministic for a given seed.
+    mini-batch, no shuffle; ``shared_prompts``: a prompt id per row (rows sharing one run their prompt
+    once; needs ``prompt_lengths``). Deterministic for a given seed.
     """
+    if shared_prompts is not None:
+        return _plan_shared(lengths, dp_size, policy, shared_prompts, prompt_lengths, mini_batch_samples=mini_batch_samples,
+                            epochs=epochs, shuffle=shuffle, seed=seed, balance=balance, workload=workload,
+                            group_ids=group_ids, objective=objective, partitions=partitions)
     tokens = _as_lengths(lengths)
     n = len(tokens)
     if isinstance(dp_size, bool) or not isinstance(dp_size, (int, np.integer)) or dp_size < 1:
@@ -269,3 +282,64 @@ def _assemble(cuts, policy: MicroBatchPolicy, epochs: int, metrics: dict) -> Pha
     empty = np.zeros(0, dtype=np.int64)
     rows = np.concatenate([np.concatenate(parts) if parts else empty for parts in per_rank])
     return PhasePlan(rows=rows, mini_batches=tuple(mini), policy=policy, epochs=epochs, metrics=metrics)
+
+
+def _plan_shared(lengths, dp_size, policy: MicroBatchPolicy, prompt_ids, prompt_lengths, *, mini_batch_samples,
+                 group_ids, partitions, **rest) -> PhasePlan:
+    """``plan_phase`` over prompt units (see the module docstring), expanded back to rows."""
+    tokens = _as_lengths(lengths)
+    n = len(tokens)
+    if prompt_lengths is None or len(prompt_lengths) != n or len(prompt_ids) != n:
+        raise ValueError(f"shared prompts need a prompt id and a prompt length for each of the {n} rows")
+    units = prompt_units(prompt_ids)
+    size = units.size
+    unit_tokens = shared_lengths(tokens, prompt_lengths, units)
+    first_rows = np.array([m[0] for m in units.members], dtype=np.int64)
+    if policy.mode is MicroBatchMode.STATIC:
+        if policy.micro_batch_size % size:
+            raise ValueError(f"micro_batch_size={policy.micro_batch_size} rows is not a whole number of prompts "
+                             f"sharing {size} rows each")
+        policy_units = dataclasses.replace(policy, micro_batch_size=policy.micro_batch_size // size)
+    else:
+        policy_units = policy
+        too_long = np.flatnonzero(unit_tokens > policy.token_budget)
+        if len(too_long):
+            u = int(too_long[0])
+            raise ValueError(f"the {size} rows sharing prompt {np.asarray(prompt_ids)[first_rows[u]]!r} (rows "
+                             f"{units.members[u].tolist()}) run {int(unit_tokens[u])} tokens together, over the "
+                             f"micro-batch token budget {policy.token_budget}: a shared prompt's rows must fit one "
+                             "micro-batch (raise the budget or turn prompt sharing off)")
+    mini_units = None
+    if mini_batch_samples is not None:
+        if mini_batch_samples % size or (mini_batch_samples // size) % dp_size:
+            raise ValueError(f"mini-batches of {mini_batch_samples} rows do not split into whole prompts of {size} "
+                             f"rows divisible by dp_size={dp_size}")
+        mini_units = mini_batch_samples // size
+    elif len(units.members) % dp_size:
+        raise ValueError(f"{len(units.members)} prompts of {size} rows each do not split over dp_size={dp_size} "
+                         "without splitting a prompt's rows")
+    unit_parts = None if partitions is None else _unit_partitions(partitions, units, n)
+    plan = plan_phase(unit_tokens, dp_size, policy_units, mini_batch_samples=mini_units,
+                      group_ids=None if group_ids is None else np.asarray(group_ids)[first_rows],
+                      prompt_lengths=np.asarray(prompt_lengths)[first_rows], partitions=unit_parts, **rest)
+    minis = tuple(MiniBatchPlan(tuple(tuple(units.positions(mb) for mb in rank) for rank in mini.micro_batches),
+                                token_budget=mini.token_budget, shared_prompts=True) for mini in plan.mini_batches)
+    metrics = dict(plan.metrics)
+    if tokens.sum() > 0:
+        metrics["plan/shared_token_fraction"] = float(unit_tokens.sum() / tokens.sum())
+    return dataclasses.replace(plan, rows=units.rows(plan.rows), mini_batches=minis, policy=policy, metrics=metrics)
+
+
+def _unit_partitions(partitions, units: PromptUnits, n: int) -> list[np.ndarray]:
+    """Row partitions as unit partitions; every unit's rows must sit together, in order, in one part."""
+    unit_of = np.empty(n, dtype=np.int64)
+    for u, rows in enumerate(units.members):
+        unit_of[rows] = u
+    out = []
+    for part in partitions:
+        part = np.asarray(part, dtype=np.int64).reshape(-1)
+        held = unit_of[part[::units.size]] if len(part) else np.zeros(0, dtype=np.int64)
+        if len(part) % units.size or not np.array_equal(units.rows(held), part):
+            raise ValueError("a fixed partition must hold whole prompts, each prompt's rows together and in order")
+        out.append(held)
+    return out

@@ -13,8 +13,10 @@ Paths, chosen per call:
   derived from `position_ids` restarting at 0). The mask builder returns None, so no dense (T, T)
   mask is ever built. On CUDA with flash-attn installed and a half-precision dtype this is one
   `flash_attn_varlen_func` call; otherwise one SDPA call per sequence;
-* Ulysses (context with an SP group): all-to-all from sequence shards to head shards, the packed path
-  on the full sequence, all-to-all back.
+* shared prompts (a context with `shared` groups): each group's prompt once, every response
+  attending to it and to its own earlier tokens (`ballast.engine.shared_prefix`);
+* Ulysses (context with an SP group): all-to-all from sequence shards to head shards, the packed (or
+  shared) path on the full sequence, all-to-all back.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ballast.engine import ulysses
 from ballast.engine.padding import cu_seqlens_from_position_ids
+from ballast.engine.shared_prefix import SharedGroup, shared_prefix_attention
 
 ATTN_IMPLEMENTATION = "ballast_varlen"
 CONTEXT_KWARG = "ballast_packed"
@@ -42,13 +45,15 @@ class PackedAttentionContext:
 
     `cu_seqlens` (num_seqs + 1,) int32 and `max_seqlen` describe the FULL packed sequence of T real
     tokens (under Ulysses every rank only holds a slice, so it cannot derive them from its own
-    position ids). Positions T..T_pad-1 are divisibility padding and attend to nothing.
+    position ids). Positions T..T_pad-1 are divisibility padding and attend to nothing. `shared`: the
+    groups of a shared-prompt pack (then each `cu_seqlens` segment is one group).
     """
 
     cu_seqlens: torch.Tensor
     max_seqlen: int
     sp_group: dist.ProcessGroup | None = None
     backend: str = "auto"  # auto | sdpa | flash
+    shared: tuple[SharedGroup, ...] | None = None
 
 
 @functools.cache
@@ -140,6 +145,12 @@ def _packed_rows(q, k, v, position_ids, scaling, dropout, backend) -> torch.Tens
     return torch.cat(outs, dim=0)
 
 
+def _context_attention(q, k, v, ctx: PackedAttentionContext, scaling, dropout) -> torch.Tensor:
+    if ctx.shared is not None:
+        return shared_prefix_attention(q, k, v, ctx.shared, scaling, dropout)
+    return varlen_causal_attention(q, k, v, ctx.cu_seqlens, ctx.max_seqlen, scaling, dropout, ctx.backend)
+
+
 def _ulysses(q, k, v, ctx: PackedAttentionContext, scaling, dropout) -> torch.Tensor:
     group = ctx.sp_group
     sp = dist.get_world_size(group)
@@ -149,7 +160,7 @@ def _ulysses(q, k, v, ctx: PackedAttentionContext, scaling, dropout) -> torch.Te
     q_full = ulysses.seq_to_heads(q, group)
     k_full = ulysses.seq_to_heads(k, group)
     v_full = ulysses.seq_to_heads(v, group)
-    out = varlen_causal_attention(q_full, k_full, v_full, ctx.cu_seqlens, ctx.max_seqlen, scaling, dropout, ctx.backend)
+    out = _context_attention(q_full, k_full, v_full, ctx, scaling, dropout)
     # (1, T_pad, H/sp, D) -> head-major for the all-to-all, then back to (1, T_local, H, D)
     out = ulysses.heads_to_seq(out.transpose(1, 2).contiguous(), group)
     return out.transpose(1, 2)
@@ -182,7 +193,7 @@ def ballast_attention_forward(
     elif ctx is not None:
         if query.shape[0] != 1:
             raise ValueError(f"a packed attention context needs batch size 1, got {query.shape[0]}")
-        out = varlen_causal_attention(query, key, value, ctx.cu_seqlens, ctx.max_seqlen, scaling, dropout, ctx.backend)
+        out = _context_attention(query, key, value, ctx, scaling, dropout)
     else:
         out = _packed_rows(query, key, value, kwargs.get("position_ids"), scaling, dropout, "auto")
     return out.contiguous(), None

@@ -43,6 +43,7 @@ from ballast.engine.micro_batch import (
     agree_max,
     check_rank_plan,
     dummy_micro_batch,
+    micro_batch_tokens,
     plan_rank_micro_batches,
     restore_order,
 )
@@ -133,8 +134,12 @@ class TrainEngine:
         error = _check_batch(data)
         group, device = self.parallel.dp_group, self.parallel.device
         lengths = None if error else sequence_lengths(data["attention_mask"]).cpu().numpy()
+        tokens_of = None
         if error is None:
-            error = check_rank_plan(plan, self.parallel.dp_size, self.parallel.dp_rank, lengths)
+            tokens_of = micro_batch_tokens(plan, data, lengths) if isinstance(plan, MiniBatchPlan) else None
+            error = check_rank_plan(plan, self.parallel.dp_size, self.parallel.dp_rank, lengths, tokens_of)
+        if error is None and plan.shared_prompts and (not self.cfg.use_remove_padding or self.parallel.sp_size > 1):
+            error = "a shared-prompt plan needs use_remove_padding=True and no Ulysses sequence parallelism"
         local_response_len = 0 if error else int(data["responses"].shape[-1])
         # One MAX all-reduce: a malformed batch or plan on any DP rank makes every rank raise here.
         any_error, response_len = agree_max([int(error is not None), local_response_len], group, device)
@@ -148,7 +153,7 @@ class TrainEngine:
             dist.all_reduce(counts, group=group)
         norm = GlobalNorm(num_tokens=int(counts[0]), num_sequences=int(counts[1]), response_len=response_len)
         micro = plan.for_rank(self.parallel.dp_rank)
-        return norm, micro, [int(lengths[idx].sum()) for idx in micro if len(idx)]  # zero-weight steps hold none
+        return norm, micro, [tokens_of(idx) for idx in micro if len(idx)]  # zero-weight steps hold none
 
     def plan_micro_batches(self, data: TensorDict, spec: MicroBatchSpec) -> MiniBatchPlan:
         """A plan for `data` as this rank holds it (every rank its own rows), for use without the
@@ -173,8 +178,9 @@ class TrainEngine:
         if high != low:
             raise ValueError(f"SP peers hold different mini-batches (fingerprints range {low}..{high})")
 
-    def _forward_options(self, temperature: float, calculate_entropy: bool) -> ForwardOptions:
+    def _forward_options(self, plan: MiniBatchPlan, temperature: float, calculate_entropy: bool) -> ForwardOptions:
         return ForwardOptions(
+            share_prompts=plan.shared_prompts,
             is_critic=self.cfg.role == "critic",
             use_remove_padding=self.cfg.use_remove_padding,
             temperature=temperature,
@@ -213,7 +219,7 @@ class TrainEngine:
         if not forward_only and not self.cfg.trainable:
             raise ValueError(f"role {self.cfg.role!r} has no optimizer; call with forward_only=True")
         norm, micro_batches, micro_tokens = self._preflight(data, plan)
-        opts = self._forward_options(temperature, calculate_entropy)
+        opts = self._forward_options(plan, temperature, calculate_entropy)
         module = self.model if forward_only else self.data_parallel.module
         module.train(not forward_only)
         statistic = mini_batch_statistic(loss_fn)
@@ -309,7 +315,7 @@ class TrainEngine:
         """`log_probs` (+`entropy`) for actor/ref, `values` for a critic: (B, R), input row order.
         `plan`: as in `forward_backward_batch`. Collective."""
         _, micro_batches, _ = self._preflight(data, plan)
-        opts = self._forward_options(temperature, calculate_entropy)
+        opts = self._forward_options(plan, temperature, calculate_entropy)
         self.model.eval()
         per_key: dict[str, list[torch.Tensor]] = {}
         for rows in micro_batches:

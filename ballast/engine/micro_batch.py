@@ -16,13 +16,17 @@ zero gradient.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
 from ballast.balance import MicroBatchPolicy, MiniBatchPlan, inverse_permutation, plan_phase
+from ballast.balance.shared_prompts import micro_batch_tokens as shared_micro_batch_tokens
 from ballast.balance.workload import Workload
+from ballast.engine.shared_prefix import prompt_groups
 
 
 def agree_max(values: list[int], group: dist.ProcessGroup | None, device: torch.device) -> list[int]:
@@ -34,8 +38,23 @@ def agree_max(values: list[int], group: dist.ProcessGroup | None, device: torch.
     return [int(v) for v in t.tolist()]
 
 
-def check_rank_plan(plan: MiniBatchPlan, dp_size: int, dp_rank: int, lengths: np.ndarray) -> str | None:
-    """What is wrong with `plan` for this rank's mini-batch of `lengths` (real tokens per row), or None."""
+def micro_batch_tokens(plan: MiniBatchPlan, data: TensorDict, lengths: np.ndarray) -> Callable[[np.ndarray], int]:
+    """The tokens a micro-batch of `data` rows executes under `plan`: the rows' real tokens, or with
+    shared prompts each distinct prompt once (`ballast.balance.shared_prompts`)."""
+    if not plan.shared_prompts:
+        return lambda rows: int(lengths[rows].sum())
+    response_len = data["responses"].shape[1]
+    prompt_lengths = lengths - data["attention_mask"][:, -response_len:].sum(-1).cpu().numpy()
+    prompt_ids = np.zeros(len(lengths), dtype=np.int64)
+    for g, rows in enumerate(prompt_groups(data["input_ids"], data["attention_mask"], data["position_ids"], response_len)):
+        prompt_ids[rows] = g
+    return lambda rows: shared_micro_batch_tokens(lengths, prompt_lengths, prompt_ids, rows)
+
+
+def check_rank_plan(plan: MiniBatchPlan, dp_size: int, dp_rank: int, lengths: np.ndarray,
+                    tokens_of: Callable[[np.ndarray], int] | None = None) -> str | None:
+    """What is wrong with `plan` for this rank's mini-batch of `lengths` (real tokens per row), or None.
+    `tokens_of(rows)`: what a micro-batch executes (default: its rows' real tokens)."""
     if not isinstance(plan, MiniBatchPlan):
         return f"expected a MiniBatchPlan from ballast.balance.plan_phase, got {type(plan).__name__}"
     if plan.dp_size != dp_size:
@@ -50,7 +69,7 @@ def check_rank_plan(plan: MiniBatchPlan, dp_size: int, dp_rank: int, lengths: np
         return f"the micro-batch plan does not cover this rank's {num_rows} rows exactly once"
     if plan.token_budget is not None:
         for j, mb in enumerate(rank):
-            tokens = int(lengths[mb].sum())
+            tokens = int(lengths[mb].sum()) if tokens_of is None else tokens_of(mb)
             if tokens > plan.token_budget:
                 return f"micro-batch {j} of DP rank {dp_rank} holds {tokens} tokens, over the budget {plan.token_budget}"
     return None

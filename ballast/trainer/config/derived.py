@@ -151,6 +151,9 @@ def derive_sizes(cfg: BallastConfig, model: Optional[ModelInfo] = None) -> Deriv
             prefix, ref.log_prob_use_dynamic_bsz, ref.log_prob_micro_batch_size_per_gpu,
             ref.log_prob_max_token_len_per_gpu, sp, max_seq))
 
+    if actor.use_prefix_grouper:
+        _check_shared_prompts(cfg, actor_sizes, ref_sizes, max_seq)
+
     critic_sizes = None
     if uses_critic(cfg):
         prefix, critic = "critic", cfg.critic
@@ -168,6 +171,41 @@ def derive_sizes(cfg: BallastConfig, model: Optional[ModelInfo] = None) -> Deriv
         rollout_dp=rollout_dp, rollout_samples_per_rank=samples // rollout_dp, use_critic=critic_sizes is not None,
         use_reference=ref_sizes is not None, actor=actor_sizes, ref=ref_sizes, critic=critic_sizes,
     )
+
+
+_SHARE = "actor_rollout_ref.actor.use_prefix_grouper=True"
+
+
+def _check_shared_prompts(cfg: BallastConfig, actor: RoleSizes, ref: Optional[RoleSizes], max_seq: int) -> None:
+    """What running each prompt once for its samples needs: the packed layout, no Ulysses, whole
+    prompts per rank and per micro-batch, and the worst-case group within every token budget."""
+    arr, n = cfg.actor_rollout_ref, cfg.actor_rollout_ref.rollout.n
+    if not arr.model.use_remove_padding:
+        raise ConfigError(f"{_SHARE} runs in the packed layout: set actor_rollout_ref.model.use_remove_padding=True")
+    roles = [("actor_rollout_ref.actor", actor, (("actor_rollout_ref.actor", _TRAIN_KEYS, actor.train),
+                                                 ("actor_rollout_ref.rollout", _LOG_PROB_KEYS, actor.infer)))]
+    if ref is not None:
+        roles.append(("actor_rollout_ref.ref", ref, (("actor_rollout_ref.ref", _LOG_PROB_KEYS, ref.infer),)))
+    group = cfg.data.max_prompt_length + n * cfg.data.max_response_length
+    for prefix, sizes, specs in roles:
+        if sizes.sp_size > 1:
+            raise ConfigError(f"{_SHARE} does not run under Ulysses: {prefix}.ulysses_sequence_parallel_size="
+                              f"{sizes.sp_size} must be 1")
+        _divides(sizes.dp_size, cfg.data.train_batch_size, f"{prefix} dp size (a prompt's samples stay on one rank)",
+                 "data.train_batch_size")
+        if sizes.mini_batch_samples is not None:
+            _divides(sizes.dp_size, sizes.mini_batch_samples // n, f"{prefix} dp size (a prompt's samples stay on "
+                     "one rank)", f"{prefix}.ppo_mini_batch_size")
+        for key_prefix, (micro_key, tokens_key, _), spec in specs:
+            if not spec.use_dynamic_bsz and spec.micro_batch_size_per_gpu % n:
+                raise ConfigError(f"{_SHARE} keeps a prompt's samples in one micro-batch: {key_prefix}.{micro_key}="
+                                  f"{spec.micro_batch_size_per_gpu} must be a multiple of actor_rollout_ref.rollout.n={n}")
+            if spec.use_dynamic_bsz and spec.token_budget(1) < group:
+                raise ConfigError(
+                    f"{_SHARE} keeps a prompt's samples in one micro-batch: {key_prefix}.{tokens_key}="
+                    f"{spec.token_budget(1)} is smaller than a whole group, data.max_prompt_length + "
+                    f"rollout.n * data.max_response_length = {cfg.data.max_prompt_length} + {n} * "
+                    f"{cfg.data.max_response_length} = {group} tokens")
 
 
 _WORLD = "world size (trainer.nnodes * trainer.n_gpus_per_node)"

@@ -16,7 +16,9 @@
 `trainer.balance_workload`, keeping a prompt's samples on one rank with `trainer.balance_keep_groups`,
 for the objective of the engine that runs the phase (`phase_objectives`): where its ranks meet in a
 collective every micro-batch (FSDP2 re-gathering parameters) a step waits on the lockstep cost; where
-they meet once per mini-batch (DDP, frozen replicas) on the slowest rank's total.
+they meet once per mini-batch (DDP, frozen replicas) on the slowest rank's total. With
+`actor_rollout_ref.actor.use_prefix_grouper` the actor's and the reference's phases are planned over
+prompts (a prompt's rows never split; each prompt runs once, `ballast.balance.shared_prompts`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,18 @@ def prompt_lengths(batch: Batch) -> np.ndarray:
     """Real prompt tokens of every row (the bucketed mode groups by them)."""
     width = batch["input_ids"].shape[1] - batch["responses"].shape[1]
     return batch["attention_mask"][:, :width].sum(-1).numpy()
+
+
+def prompt_ids(batch: Batch) -> np.ndarray:
+    """An id per row, equal for the samples of one prompt (`uid`) whose prompts are equal (tokens and
+    positions: what the engine groups by), so that the planner's units are the GRPO groups even where
+    the data holds a prompt twice (`actor_rollout_ref.actor.use_prefix_grouper`)."""
+    width = batch["input_ids"].shape[1] - batch["responses"].shape[1]
+    mask = batch["attention_mask"][:, :width].numpy().astype(bool)
+    uid = np.unique(np.asarray(batch["uid"]), return_inverse=True)[1].reshape(-1, 1)
+    key = np.concatenate([uid, np.where(mask, batch["input_ids"][:, :width].numpy(), -1),
+                          np.where(mask, batch["position_ids"][:, :width].numpy(), -1)], axis=1)
+    return np.unique(key, axis=0, return_inverse=True)[1].reshape(-1)
 
 
 def phase_objectives(engines: Dict[str, Any], world_size: int, device_type: str) -> Dict[tuple, PlanObjective]:
@@ -72,18 +86,23 @@ class StepPlanner:
             raise ValueError(f"unknown role {role!r}")
         return getattr(self.sizes, role)
 
+    def _shares_prompts(self, role: str) -> bool:
+        return role != "critic" and self.cfg.actor_rollout_ref.actor.use_prefix_grouper
+
     def _common(self, batch: Batch, role: str, policy, backward: bool) -> dict:
-        keep_groups = self.cfg.trainer.balance_keep_groups
+        keep_groups, share = self.cfg.trainer.balance_keep_groups, self._shares_prompts(role)
+        bucketed = policy.mode is MicroBatchMode.BUCKETED
         return dict(balance=self.cfg.trainer.balance_batch, workload=self.workload,
                     group_ids=batch["uid"] if keep_groups else None,
-                    prompt_lengths=prompt_lengths(batch) if policy.mode is MicroBatchMode.BUCKETED else None,
+                    prompt_lengths=prompt_lengths(batch) if bucketed or share else None,
+                    shared_prompts=prompt_ids(batch) if share else None,
                     objective=self.objectives.get((role, backward)))
 
     def inference(self, role: str) -> PhasePlan:
         """The plan of `role`'s inference pass over every row (identical requests share one plan)."""
         sizes = self._role(role)
         policy = sizes.infer.policy(sizes.sp_size)
-        key = (sizes.dp_size, policy, self.objectives.get((role, False)))
+        key = (sizes.dp_size, policy, self.objectives.get((role, False)), self._shares_prompts(role))
         if key not in self._inference:
             self._inference[key] = plan_phase(row_lengths(self.batch), sizes.dp_size, policy,
                                               **self._common(self.batch, role, policy, backward=False))
@@ -104,15 +123,19 @@ class StepPlanner:
         when the update has a single mini-batch (see `plan_after_first_mini_batch`)."""
         sizes = self.sizes.actor
         policy = sizes.infer.policy(sizes.sp_size)
-        prompts = prompt_lengths(self.batch) if policy.mode is MicroBatchMode.BUCKETED else None
-        return plan_after_first_mini_batch(row_lengths(self.batch), actor_plan, policy, self.workload, prompts)
+        share = self._shares_prompts("actor")
+        prompts = prompt_lengths(self.batch) if policy.mode is MicroBatchMode.BUCKETED or share else None
+        return plan_after_first_mini_batch(row_lengths(self.batch), actor_plan, policy, self.workload, prompts,
+                                           prompt_ids(self.batch) if share else None)
 
 
 def plan_after_first_mini_batch(lengths: np.ndarray, plan: PhasePlan, policy, workload: Workload = "tokens",
-                                prompt_lengths: Optional[np.ndarray] = None) -> Optional[MiniBatchPlan]:
+                                prompt_lengths: Optional[np.ndarray] = None,
+                                shared_prompts: Optional[np.ndarray] = None) -> Optional[MiniBatchPlan]:
     """The inference plan of every rank's rows after its first mini-batch of the one-epoch update
     `plan`, over the rows where they already are (rank r's rows, in its dispatch order), or None when
-    the update has a single mini-batch. `lengths`/`prompt_lengths` are per step row."""
+    the update has a single mini-batch. `lengths`/`prompt_lengths`/`shared_prompts` (prompt ids, to
+    run each prompt once) are per step row."""
     if len(plan.mini_batches) == 1:
         return None
     if plan.epochs != 1:
@@ -125,8 +148,9 @@ def plan_after_first_mini_batch(lengths: np.ndarray, plan: PhasePlan, policy, wo
         start += len(rest)
     rows = np.concatenate(rows)
     prompts = None if prompt_lengths is None else np.asarray(prompt_lengths)[rows]
+    shared = None if shared_prompts is None else np.asarray(shared_prompts)[rows]
     return plan_phase(np.asarray(lengths)[rows], plan.dp_size, policy, workload=workload, partitions=parts,
-                      prompt_lengths=prompts).mini_batches[0]
+                      prompt_lengths=prompts, shared_prompts=shared).mini_batches[0]
 
 
 def plan_metrics(plan: PhasePlan, role: str) -> Dict[str, float]:

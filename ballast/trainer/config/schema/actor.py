@@ -63,6 +63,10 @@ class ActorConfig:
     """With one epoch and no reward KL penalty, the actor update computes the old log-probs itself (its
     first mini-batch's own, a forward-only pass over the rest before its first step) instead of a
     separate pass over every row; false: the separate pass, as verl."""
+    use_prefix_grouper: bool
+    """Run each prompt once for all its `rollout.n` samples in every actor and reference forward (the
+    samples attend to one shared copy; same log-probs and gradients, fewer tokens). Needs
+    `model.use_remove_padding`, no Ulysses, and a prompt's samples within one micro-batch."""
     use_torch_compile: bool
     """Accepted for verl compatibility, no effect here (the engine does not compile the model)."""
     data_loader_seed: Optional[int]
