@@ -97,3 +97,22 @@ def test_two_mini_batch_step_takes_the_first_ones_old_log_probs_from_the_update(
     assert metrics["actor/entropy"] > 0
     # a row mapped to the wrong sample, or left at its placeholder, would be off by whole nats
     assert metrics["training/rollout_actor_log_prob_diff/max"] < 1e-3
+
+
+SHARED_SAME = ["critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/grad_norm", "actor/ppo_kl",
+               "critic/advantages/max", "training/rollout_actor_log_prob_diff/max"]
+
+
+def test_shared_prompts_train_exactly_like_the_rows_run_apart(session, rollout_log_probs_run):
+    # The shared run (its step 2) against the e2e tests' shared plain run, same config otherwise: two
+    # mini-batches, so the old log-probs come from the update's first mini-batch and a forward-only
+    # pass over the second, both planned over prompts.
+    plain = next(row for row in rollout_log_probs_run["rows"] if row["step"] == 2)
+    with session("shared", *WITH_ROLLOUT_LOG_PROBS, "trainer.total_training_steps=2",
+                 "actor_rollout_ref.actor.use_prefix_grouper=True") as trainer:
+        shared = trainer.fit()
+    for key in SHARED_SAME:
+        assert shared[key] == pytest.approx(plain[key], rel=1e-5, abs=1e-6), key
+    # each prompt ran once for its 4 samples: fewer tokens than the rows hold (prompts are 10-20 tokens)
+    assert shared["balance/actor_plan/shared_token_fraction"] < 0.9
+    assert shared["perf/micro_batch_tokens/max"] <= 128

@@ -109,3 +109,37 @@ def test_the_planner_passes_each_phases_objective():
         by[PlanObjective.LOCKSTEP]["plan/max_rank_total_over_bound"]
     assert by[PlanObjective.LOCKSTEP]["plan/lockstep_over_lower_bound"] <= \
         by[PlanObjective.RANK_TOTAL]["plan/lockstep_over_lower_bound"]
+
+
+SHARED = ["actor_rollout_ref.actor.use_prefix_grouper=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=160",
+          "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=160",
+          "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=160"]
+
+
+def _grouped_batch(n=32, seed=0):
+    """`_batch` with the 4 rows of every uid holding one prompt, and position ids."""
+    batch = _batch(n, seed)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    ids[:, :16] = ids[::4, :16].repeat_interleave(4, dim=0)
+    batch["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
+    return batch
+
+
+def test_shared_prompts_plan_the_actor_and_reference_phases_over_whole_prompts():
+    from ballast.trainer.step.plans import prompt_ids
+
+    batch = _grouped_batch()
+    ids = prompt_ids(batch)
+    assert len(np.unique(ids)) == 8 and all(len(set(ids[i:i + 4])) == 1 for i in range(0, 32, 4))
+    planner = _planner(batch, 0, *SHARED)
+    update, infer = planner.update("actor"), planner.inference("actor")
+    assert all(m.shared_prompts for m in update.mini_batches + infer.mini_batches)
+    assert planner.inference("ref") is infer
+    rest = planner.after_first_mini_batch(update)
+    assert rest.shared_prompts
+    for r in range(2):
+        rows = update.rank_rows(r)[update.mini_batches[0].rows_per_rank[r]:]
+        for mb in rest.for_rank(r):
+            assert len(rows[mb]) % 4 == 0 and len(np.unique(ids[rows[mb]])) == len(rows[mb]) // 4
+    plain = _planner(batch, 0, *SHARED[1:])
+    assert not any(m.shared_prompts for m in plain.update("actor").mini_batches)
