@@ -247,7 +247,8 @@ class ActorRolloutRefWorker(Worker):
         data = engine_input(batch)
         start = time.perf_counter()
         out = actor.infer_batch(data, plan.mini_batches[0], temperature=self.spec.temperature, calculate_entropy=True)
-        mfu = mfu_metrics("actor_infer", actor, data, time.perf_counter() - start, self._peak_flops, passes=1)
+        mfu = mfu_metrics("actor_infer", actor, data, time.perf_counter() - start, self._peak_flops, passes=1,
+                          shared_prompts=plan.mini_batches[0].shared_prompts)
         return Output(Batch({"old_log_probs": out["log_probs"].cpu(), "entropy": out["entropy"].cpu()}),
                       {k: [v] for k, v in mfu.items()})
 
@@ -291,7 +292,8 @@ class ActorRolloutRefWorker(Worker):
             result.entropy = torch.cat([first[1], rest[1]]) if rest is not None else first[1]
         result.metrics.update(metrics)
         epochs = plan.epochs
-        result.metrics.update(mfu_metrics("actor", actor, data, seconds, self._peak_flops, passes=3 * epochs))
+        result.metrics.update(mfu_metrics("actor", actor, data, seconds, self._peak_flops, passes=3 * epochs,
+                                          shared_prompts=plan.mini_batches[0].shared_prompts))
         self._weights_stale = self.rollout is not None
         return result
 
@@ -307,7 +309,8 @@ class ActorRolloutRefWorker(Worker):
         rest = data[torch.as_tensor(rows)]
         out = actor.infer_batch(rest, rest_plan, temperature=self.spec.temperature, calculate_entropy=True)
         seconds = time.perf_counter() - start
-        metrics = mfu_metrics("actor_infer", actor, rest, seconds, self._peak_flops, passes=1)
+        metrics = mfu_metrics("actor_infer", actor, rest, seconds, self._peak_flops, passes=1,
+                              shared_prompts=rest_plan.shared_prompts)
         metrics["timing_s/old_log_prob"] = seconds
         return (out["log_probs"].cpu(), out["entropy"].cpu()), metrics
 

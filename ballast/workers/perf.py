@@ -1,7 +1,7 @@
 """Model FLOPs utilisation of a worker's passes (verl's `perf/mfu/*` metrics).
 
-MFU = the model FLOPs a pass needed (forward FLOPs of its samples from the model's config, times 3 for
-forward + backward) / (its wall seconds x the device's peak). The peak is measured once at start-up
+MFU = the model FLOPs a pass needed (forward FLOPs of its samples from the model's config, each
+shared prompt once, times 3 for forward + backward) / (its wall seconds x the device's peak). The peak is measured once at start-up
 on CPU (best fp32 matmul rate on the worker's own threads, so the figure is against what these cores
 really sustain) and looked up in a table of dense bf16 spec-sheet numbers on GPU.
 """
@@ -13,6 +13,8 @@ from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
+
+from ballast.engine.shared_prefix import prompt_groups
 
 # Dense bf16 tensor-core peak FLOP/s from the vendors' spec sheets, by device-name substring.
 GPU_PEAK_FLOPS = (
@@ -42,17 +44,29 @@ def peak_flops(device_type: str) -> Optional[float]:
     return next((flops for key, flops in GPU_PEAK_FLOPS if key in name), None)
 
 
-def pass_flops(engine, attention_mask: torch.Tensor, passes: float) -> Optional[float]:
-    """`passes` x the forward FLOPs of these rows (None when the engine has no FLOPs model)."""
+def pass_flops(engine, data, passes: float, shared_prompts: bool = False) -> Optional[float]:
+    """`passes` x the forward FLOPs of these rows (None when the engine has no FLOPs model). With
+    `shared_prompts` (the plan ran each prompt once) a prompt's forward counts once per group, not
+    once per row: what the pass needed."""
     if not callable(engine.workload):
         return None
+    attention_mask = data["attention_mask"]
     lengths = attention_mask.sum(-1).cpu().numpy()
-    return passes * float(engine.workload(lengths).sum()) if len(lengths) else 0.0
+    if not len(lengths):
+        return 0.0
+    flops = float(engine.workload(lengths).sum())
+    if shared_prompts:
+        response_len = data["responses"].shape[1]
+        prompt_lengths = lengths - attention_mask[:, -response_len:].sum(-1).cpu().numpy()
+        for rows in prompt_groups(data["input_ids"], attention_mask, data["position_ids"], response_len):
+            flops -= (len(rows) - 1) * float(engine.workload(prompt_lengths[rows[:1]])[0])
+    return passes * flops
 
 
-def mfu_metrics(name: str, engine, data, seconds: float, peak: Optional[float], passes: float) -> Dict[str, float]:
+def mfu_metrics(name: str, engine, data, seconds: float, peak: Optional[float], passes: float,
+                shared_prompts: bool = False) -> Dict[str, float]:
     """`perf/mfu/{name}` over the engine's whole mesh. Collective over the DP group (one all-reduce)."""
-    flops = pass_flops(engine, data["attention_mask"], passes)
+    flops = pass_flops(engine, data, passes, shared_prompts)
     if flops is None or not peak or seconds <= 0:
         return {}
     parallel = engine.parallel

@@ -49,6 +49,26 @@ def test_the_old_log_prob_pass_reports_verls_actor_infer_mfu():
     worker._peak_flops = 1e6
     mask = torch.ones(2, 4, dtype=torch.long)
     batch = Batch({"input_ids": mask, "attention_mask": mask, "position_ids": mask.cumsum(-1)})
-    out = worker.compute_log_prob(batch, SimpleNamespace(mini_batches=[None]))
+    out = worker.compute_log_prob(batch, SimpleNamespace(mini_batches=[SimpleNamespace(shared_prompts=False)]))
     assert set(out.metrics) == {"perf/mfu/actor_infer"}
     assert out.metrics["perf/mfu/actor_infer"][0] > 0
+
+
+def test_a_shared_prompt_counts_once_per_group():
+    """Shared FLOPs = each group's prompt once + every response attending to it and to itself, derived
+    here from the shared pack's structure; fewer than the rows' own."""
+    from ballast.engine.padding import response_slots
+    from ballast.engine.shared_prefix import pack_shared
+    from testkit.engine import make_rl_batch
+
+    data = make_rl_batch([5, 5, 3, 5, 3], [4, 0, 6, 2, 7], vocab_size=50, seed=1)
+    width = data["input_ids"].shape[1] - data["responses"].shape[1]
+    for row, first in ((1, 0), (3, 0), (4, 2)):
+        data["input_ids"][row, :width] = data["input_ids"][first, :width]
+    pack = pack_shared(data["input_ids"], data["attention_mask"], data["position_ids"],
+                       response_slots(data["attention_mask"], data["responses"].shape[1]))
+    lin, att = MODEL.linear_flops_per_token, MODEL.attention_flops_per_pair
+    expected = sum(p * lin + att * p * (p + 1) / 2 + sum(r * lin + att * r * (p + (r + 1) / 2) for r in rs)
+                   for p, rs in ((g.prompt_len, g.response_lens) for g in pack.groups))
+    assert perf.pass_flops(_engine(), data, 1, shared_prompts=True) == pytest.approx(expected)
+    assert perf.pass_flops(_engine(), data, 1) > expected * 1.3
