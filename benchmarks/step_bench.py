@@ -223,6 +223,8 @@ def run_ballast(case: Case, warmup: int, steps: int, workers: int, overrides: Li
         "s_per_step": step_s, "s_per_step_all": [r["timing_s/step"] for r in rows], "phases": phases,
         "tokens_per_step": tokens, "tokens_per_s": tokens / step_s, "samples": samples,
         "response_length_mean": med("response_length/mean"), "score_mean": med("critic/score/mean"),
+        # the executed share of the rows' tokens in the actor's passes (< 1 with shared prompts)
+        "shared_token_fraction": statistics.median(r.get("balance/actor_plan/shared_token_fraction", 1.0) for r in rows),
         "trainer_mfu_actor": med("perf/mfu/actor") if "perf/mfu/actor" in rows[0] else None,
         # the rank-0 worker's peak resident memory (trainer + vLLM engine), at the last step
         "max_rss_gb": rows[-1].get("perf/max_rss_gb"),
@@ -400,6 +402,11 @@ def summarise(case: Case, variants: Dict[str, List[dict]], trl: List[dict], peak
         tokens = statistics.median(r["tokens_per_step"] for r in runs)
         fwd, executed = forward_flops(case.model_dir, tokens / runs[0]["samples"],
                                       statistics.median(r["response_length_mean"] for r in runs), runs[0]["samples"])
+        # With shared prompts the actor's passes run each prompt once: their FLOPs (the floor and MFU's
+        # numerator) scale with the executed share of the tokens (linear terms exactly; attention, a
+        # few percent here, proportionally). Generation keeps the rows' FLOPs.
+        shared = statistics.median(r.get("shared_token_fraction", 1.0) for r in runs)
+        gen_fwd, fwd, executed = fwd, fwd * shared, executed * shared
 
         # Utilisation per run against the peak measured just before that run (the VM's speed drifts by
         # tens of percent within an hour, so a peak measured minutes earlier misstates it), then the median.
@@ -413,13 +420,14 @@ def summarise(case: Case, variants: Dict[str, List[dict]], trl: List[dict], peak
         # Compute floor at the measured peak: generation passes every token through the model once
         # (prefill + decode), the update three times (forward + backward); the old-log-prob pass once
         # unless the run skipped it.
-        floor = {"generate": fwd / peak_total, "update": 3.0 * fwd / peak_total,
+        floor = {"generate": gen_fwd / peak_total, "update": 3.0 * fwd / peak_total,
                  "old_log_prob": fwd / peak_total if phases["old_log_prob"] > 0.01 else 0.0}
         floor["step"] = sum(floor.values())
         out["variants"][name] = {"s_per_step": s, "phases": phases, "tokens_per_s": tokens / s,
                                  "forward_flops_per_step": fwd, "floor_s": floor, "over_floor": s / floor["step"],
                                  "mfu_update": mfu_update, "hfu_update": hfu_update, "mfu_log_prob": mfu_lp,
-                                 "executed_forward_flops_per_step": executed, "runs": runs}
+                                 "executed_forward_flops_per_step": executed, "shared_token_fraction": shared,
+                                 "runs": runs}
     # Only the default configuration does TRL's work; without it (its runs failed) no ratio is given.
     base = out["variants"].get("default", {})
     out["ballast_s_per_step"], out["phases"] = base.get("s_per_step"), base.get("phases")
