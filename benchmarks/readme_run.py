@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,7 +29,8 @@ def overrides(model_dir: str, data_dir: str, seed: int, steps: int, test_freq: i
         "actor_rollout_ref.rollout.n=4", f"actor_rollout_ref.rollout.seed={seed}", "actor_rollout_ref.rollout.block_size=32",
         "actor_rollout_ref.actor.ppo_mini_batch_size=4",
         "actor_rollout_ref.actor.use_dynamic_bsz=True", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=1024",
-        "actor_rollout_ref.model.use_remove_padding=True", "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.model.use_remove_padding=True", "actor_rollout_ref.actor.use_prefix_grouper=True",
+        "algorithm.adv_estimator=grpo",
         "actor_rollout_ref.actor.fsdp_config.reshard_after_forward=false",
         "actor_rollout_ref.actor.fsdp_config.fsdp_size=1", "trainer.device=cpu", "trainer.n_gpus_per_node=2",
         "trainer.balance_batch=True", f"trainer.seed={seed}", "trainer.logger=[jsonl]",
@@ -141,3 +142,43 @@ def sweep(args: argparse.Namespace, run: Callable[[str, int, argparse.Namespace]
                 with open(args.json, "w") as f:
                     json.dump(document(results), f, indent=1)
     return results
+
+
+def variant_runner(variants: Dict[str, List[str]], lr: float) -> Callable[[str, int, argparse.Namespace], dict]:
+    """`run(name, seed, args)` for `sweep`: the README run at `lr` plus `variants[name]`'s overrides,
+    summarised with its s/step and the update and generation seconds (medians over steps)."""
+    def run(name: str, seed: int, args: argparse.Namespace) -> dict:
+        if name not in variants:
+            raise ValueError(f"unknown variant {name!r} ({', '.join(variants)})")
+        extra = [f"actor_rollout_ref.actor.optim.lr={lr}", *variants[name]]
+        log = os.path.join(args.log_dir, f"{name}_seed{seed}.log")
+        rows, wall, code = run_trainer(args, seed, extra, log)
+        steps = step_rows(rows)
+        return {**run_summary(name, seed, rows, wall, code, log, extra),
+                "s_per_step": median("timing_s/step", steps), "update_s": median("timing_s/update_actor", steps),
+                "gen_s": median("timing_s/gen", steps)}
+    return run
+
+
+def final_gaps(results: List[dict], baseline: str) -> Dict[str, Dict[int, float]]:
+    """Per variant other than `baseline`, per seed: its final held-out score minus the baseline's."""
+    final = {(r["variant"], r["seed"]): r["val_final"] for r in results if r["val_final"] is not None}
+    out: Dict[str, Dict[int, float]] = {}
+    for (variant, seed), score in final.items():
+        if variant != baseline and (baseline, seed) in final:
+            out.setdefault(variant, {})[seed] = score - final[(baseline, seed)]
+    return out
+
+
+def variants_main(doc: str, log_dir: str, variants: Dict[str, List[str]], lr: float, baseline: str) -> None:
+    """The command line of a learning comparison of `variants` of the README run (all by default) at
+    `lr`: the sweep, its JSON (`results`, and `<variant>_minus_<baseline>`: final held-out score gaps
+    per seed), printed as each run ends."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    add_arguments(p, log_dir, ",".join(variants))
+    args = p.parse_args()
+    resolve_task(args)
+    document = lambda done: {"steps": args.steps, "results": done,  # noqa: E731
+                             **{f"{v}_minus_{baseline}": g for v, g in final_gaps(done, baseline).items()}}
+    results = sweep(args, variant_runner(variants, lr), ("val_curve", "s_per_step", "update_s", "gen_s"), document)
+    print(f"final held-out score minus {baseline}'s, per variant and seed:", final_gaps(results, baseline))

