@@ -7,7 +7,8 @@ whole driver loop on CPU: vLLM rollouts, 2 FSDP2 workers, remove-padding, dynami
   own run in test_lora_run.py);
 * one mini-batch per step (on-policy): the update's own forward gives the old log-probs, entropy and
   the rollout-vs-actor check, no separate pass runs, the ratio is exactly 1; every step reports the
-  step metrics, finite;
+  step metrics, finite; the actor runs each prompt once for its samples (`use_prefix_grouper`), so the
+  rollout-vs-actor check above also holds the shared-prompt forward to vLLM's own log-probs;
 * prompts carry the chat template, responses stop at the first <|im_end|> and the mask is 0 after it;
 * sp=2 is a start-up error naming the model's head counts (9 attention heads, 3 KV heads).
 Cost on 2 cores: ~4 min on a loaded box (one conversion per machine on top, ~40 s, cached under
@@ -70,7 +71,8 @@ def test_grpo_on_the_real_model_keeps_rollout_and_actor_equal_and_honours_the_ch
 
     out = run_dir(tmp_path, "real")
     reward = os.path.join(os.path.dirname(__file__), "real_model_reward.py")
-    prepared = prepare_typed(load_config(_overrides(real_task, out, f"custom_reward_function.path={reward}")))
+    prepared = prepare_typed(load_config(_overrides(real_task, out, f"custom_reward_function.path={reward}",
+                                                    "actor_rollout_ref.actor.use_prefix_grouper=True")))
     batches = []
     with training_session(prepared) as trainer:
         score = trainer._score
@@ -93,6 +95,7 @@ def test_grpo_on_the_real_model_keeps_rollout_and_actor_equal_and_honours_the_ch
     assert max(diffs) < LOG_PROB_TOL, diffs
     assert all(r["actor/grad_norm"] > 0 for r in rows), [r["actor/grad_norm"] for r in rows]
     assert all(r["perf/micro_batch_tokens/max"] <= 256 for r in rows)
+    assert all(r["balance/actor_plan/shared_token_fraction"] < 0.8 for r in rows)  # each prompt ran once
     for row in rows:  # one mini-batch per step: the update's own forward gives the old log-probs, no pass
         assert_finite(row, [k for k in STEP_METRICS if k != "timing_s/old_log_prob"] + [
             "training/rollout_actor_log_prob_diff/mean", "perf/mfu/actor", "timing_per_token_ms/gen",
