@@ -30,9 +30,12 @@ rate (default: the case's).
 Each system trains `--warmup + --steps` steps; s/step is the median over the last `--steps`
 (`--tail-steps N`: Ballast trains N more, unmeasured, so that the window of a run that generates
 batches ahead holds no end-of-run step). Ballast's
-phases are the medians of its own `timing_s/*` metrics. MFU: update FLOPs (3 x forward FLOPs of the
-step's tokens, from the model's config) / (update seconds x peak), peak = `--workers` x the best
-single-thread fp32 matmul rate measured here before the runs. `--variant NAME=override,override`
+phases are the medians of its own `timing_s/*` metrics. Ballast runs the CPU quickstart config, which
+shares prompts (`actor_rollout_ref.actor.use_prefix_grouper`: each prompt runs once for its samples in
+the actor's passes; `--variant rows=actor_rollout_ref.actor.use_prefix_grouper=False` runs every row's
+own copy). MFU: update FLOPs (3 x forward FLOPs of the tokens the update runs, from the model's config:
+the step's tokens times the run's `shared_token_fraction`) / (update seconds x peak), peak =
+`--workers` x the best single-thread fp32 matmul rate measured here before the runs. `--variant NAME=override,override`
 (repeatable) runs extra Ballast configurations; `--repeats R` interleaves all variants R times
 (A, B, A, B, ...) so that a loaded machine affects them alike; an item `@PATH` in a variant runs the
 Ballast source tree at PATH instead of this one (e.g. `git archive <commit>` unpacked), so a change
