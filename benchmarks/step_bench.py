@@ -417,14 +417,24 @@ def summarise(case: Case, variants: Dict[str, List[dict]], trl: List[dict], peak
             return _median_or_none([flops / (r["phases"][phase] * r.get("peak_flops_total", peak_total))
                                     for r in runs if r["phases"][phase] > min_s])
 
-        mfu_update = utilisation(3.0 * fwd, "update", 0.0)
-        hfu_update = utilisation(3.0 * executed, "update", 0.0)  # LM head on response positions only
-        mfu_lp = utilisation(fwd, "old_log_prob", 0.01)
+        # By default (`old_log_prob_from_update`) the old log-probs come from the update: its forward-only
+        # pass covers the rows after the first of k mini-batches, (k - 1) / k of them, and runs inside
+        # the update phase, whose compute is then the update's time without it. Otherwise a separate
+        # pass covers every row.
+        separate = any(o.replace(" ", "").lower() == "actor_rollout_ref.actor.old_log_prob_from_update=false"
+                       for o in runs[0]["overrides"])
+        k = case.optimizer_steps_per_step
+        lp_fwd = fwd if separate else fwd * (k - 1) / k
+        for r in runs:
+            r["phases"]["update_compute"] = r["phases"]["update"] - (0.0 if separate else r["phases"]["old_log_prob"])
+        mfu_update = utilisation(3.0 * fwd, "update_compute", 0.0)
+        hfu_update = utilisation(3.0 * executed, "update_compute", 0.0)  # LM head on response positions only
+        mfu_lp = utilisation(lp_fwd, "old_log_prob", 0.01)
         # Compute floor at the measured peak: generation passes every token through the model once
         # (prefill + decode), the update three times (forward + backward); the old-log-prob pass once
-        # unless the run skipped it.
+        # over the rows it covers, unless the run skipped it.
         floor = {"generate": gen_fwd / peak_total, "update": 3.0 * fwd / peak_total,
-                 "old_log_prob": fwd / peak_total if phases["old_log_prob"] > 0.01 else 0.0}
+                 "old_log_prob": lp_fwd / peak_total if phases["old_log_prob"] > 0.01 else 0.0}
         floor["step"] = sum(floor.values())
         out["variants"][name] = {"s_per_step": s, "phases": phases, "tokens_per_s": tokens / s,
                                  "forward_flops_per_step": fwd, "floor_s": floor, "over_floor": s / floor["step"],
