@@ -205,7 +205,8 @@ def _check_shared_prompts(cfg: BallastConfig, actor: RoleSizes, ref: Optional[Ro
                     f"{_SHARE} keeps a prompt's samples in one micro-batch: {key_prefix}.{tokens_key}="
                     f"{spec.token_budget(1)} is smaller than a whole group, data.max_prompt_length + "
                     f"rollout.n * data.max_response_length = {cfg.data.max_prompt_length} + {n} * "
-                    f"{cfg.data.max_response_length} = {group} tokens")
+                    f"{cfg.data.max_response_length} = {group} tokens (raise it, or set "
+                    "actor_rollout_ref.actor.use_prefix_grouper=False)")
 
 
 _WORLD = "world size (trainer.nnodes * trainer.n_gpus_per_node)"
