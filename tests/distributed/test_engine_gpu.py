@@ -1,4 +1,5 @@
-"""GPU-only engine paths: NCCL, bf16 mixed precision, flash-attention varlen, CPU offload.
+"""GPU-only engine paths: NCCL, bf16 mixed precision, flash-attention varlen, shared-prompt attention,
+CPU offload.
 
 Marked `gpu` (run by scripts/gpu_smoke.sh on a CUDA machine, skipped elsewhere). bf16 results are
 compared with the fp32 CPU reference at bf16 tolerance; the exact invariance matrix is the fp32
@@ -36,6 +37,20 @@ def test_flash_varlen_matches_per_sequence_sdpa():
     loop = varlen_causal_attention(q, k, v, cu, max_seqlen=139, scaling=0.125, backend="sdpa")
     torch.testing.assert_close(flash.float(), loop.float(), atol=2e-2, rtol=2e-2)
     assert torch.all(flash[:, 290:] == 0)
+
+
+def test_shared_prefix_attention_on_cuda_in_bf16_matches_fp32_on_cpu():
+    from ballast.engine.shared_prefix import SharedGroup, shared_prefix_attention
+
+    groups = (SharedGroup(0, 40, (30, 0, 25)), SharedGroup(95, 12, (50, 7)))  # 164 tokens, then 4 of padding
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, h, 168, 64, generator=gen) for h in (8, 2, 2))
+    ref = shared_prefix_attention(q, k, v, groups, scaling=0.125)
+    q_gpu, k_gpu, v_gpu = (t.to("cuda", torch.bfloat16).requires_grad_() for t in (q, k, v))
+    out = shared_prefix_attention(q_gpu, k_gpu, v_gpu, groups, scaling=0.125)
+    torch.testing.assert_close(out.float().cpu(), ref, atol=3e-2, rtol=3e-2)
+    out.float().pow(2).sum().backward()
+    assert all(torch.isfinite(t.grad).all() and t.grad.abs().sum() > 0 for t in (q_gpu, k_gpu, v_gpu))
 
 
 def _loss(outputs, micro, norm):
