@@ -35,8 +35,8 @@ shares prompts (`actor_rollout_ref.actor.use_prefix_grouper`: each prompt runs o
 the actor's passes; `--variant rows=actor_rollout_ref.actor.use_prefix_grouper=False` runs every row's
 own copy). MFU: update FLOPs (3 x forward FLOPs of the tokens the update runs, from the model's config:
 the step's tokens times the run's `shared_token_fraction`) / (update seconds x peak), peak =
-`--workers` x the best single-thread fp32 matmul rate measured here before the runs. `--variant NAME=override,override`
-(repeatable) runs extra Ballast configurations; `--repeats R` interleaves all variants R times
+`--workers` x the best single-thread fp32 matmul rate measured here before the runs.
+`--variant NAME=override,override` (repeatable) runs extra Ballast configurations; `--repeats R` interleaves all variants R times
 (A, B, A, B, ...) so that a loaded machine affects them alike; an item `@PATH` in a variant runs the
 Ballast source tree at PATH instead of this one (e.g. `git archive <commit>` unpacked), so a change
 can be measured against the code before it.
@@ -66,7 +66,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QS = os.path.join(ROOT, ".cache", "quickstart")
@@ -413,9 +413,9 @@ def summarise(case: Case, variants: Dict[str, List[dict]], trl: List[dict], peak
 
         # Utilisation per run against the peak measured just before that run (the VM's speed drifts by
         # tens of percent within an hour, so a peak measured minutes earlier misstates it), then the median.
-        def utilisation(flops: float, phase: str, min_s: float) -> Optional[float]:
-            return _median_or_none([flops / (r["phases"][phase] * r.get("peak_flops_total", peak_total))
-                                    for r in runs if r["phases"][phase] > min_s])
+        def utilisation(flops: float, seconds: Callable[[dict], float], min_s: float) -> Optional[float]:
+            return _median_or_none([flops / (seconds(r) * r.get("peak_flops_total", peak_total))
+                                    for r in runs if seconds(r) > min_s])
 
         # By default (`old_log_prob_from_update`) the old log-probs come from the update: its forward-only
         # pass covers the rows after the first of k mini-batches, (k - 1) / k of them, and runs inside
@@ -425,11 +425,12 @@ def summarise(case: Case, variants: Dict[str, List[dict]], trl: List[dict], peak
                        for o in runs[0]["overrides"])
         k = case.optimizer_steps_per_step
         lp_fwd = fwd if separate else fwd * (k - 1) / k
-        for r in runs:
-            r["phases"]["update_compute"] = r["phases"]["update"] - (0.0 if separate else r["phases"]["old_log_prob"])
-        mfu_update = utilisation(3.0 * fwd, "update_compute", 0.0)
-        hfu_update = utilisation(3.0 * executed, "update_compute", 0.0)  # LM head on response positions only
-        mfu_lp = utilisation(lp_fwd, "old_log_prob", 0.01)
+        def update_s(r: dict) -> float:
+            return r["phases"]["update"] - (0.0 if separate else r["phases"]["old_log_prob"])
+
+        mfu_update = utilisation(3.0 * fwd, update_s, 0.0)
+        hfu_update = utilisation(3.0 * executed, update_s, 0.0)  # LM head on response positions only
+        mfu_lp = utilisation(lp_fwd, lambda r: r["phases"]["old_log_prob"], 0.01)
         # Compute floor at the measured peak: generation passes every token through the model once
         # (prefill + decode), the update three times (forward + backward); the old-log-prob pass once
         # over the rows it covers, unless the run skipped it.

@@ -26,7 +26,7 @@ from tensordict import TensorDict
 from ballast.balance import MicroBatchPolicy, MiniBatchPlan, inverse_permutation, plan_phase
 from ballast.balance.shared_prompts import micro_batch_tokens as shared_micro_batch_tokens
 from ballast.balance.workload import Workload
-from ballast.engine.shared_prefix import prompt_groups
+from ballast.engine.shared_prefix import row_prompts
 
 
 def agree_max(values: list[int], group: dist.ProcessGroup | None, device: torch.device) -> list[int]:
@@ -43,11 +43,7 @@ def micro_batch_tokens(plan: MiniBatchPlan, data: TensorDict, lengths: np.ndarra
     shared prompts each distinct prompt once (`ballast.balance.shared_prompts`)."""
     if not plan.shared_prompts:
         return lambda rows: int(lengths[rows].sum())
-    response_len = data["responses"].shape[1]
-    prompt_lengths = lengths - data["attention_mask"][:, -response_len:].sum(-1).cpu().numpy()
-    prompt_ids = np.zeros(len(lengths), dtype=np.int64)
-    for g, rows in enumerate(prompt_groups(data["input_ids"], data["attention_mask"], data["position_ids"], response_len)):
-        prompt_ids[rows] = g
+    prompt_ids, prompt_lengths = row_prompts(data)
     return lambda rows: shared_micro_batch_tokens(lengths, prompt_lengths, prompt_ids, rows)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -73,6 +74,19 @@ def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, positio
         key = (tuple(input_ids[row, :width][keep].tolist()), tuple(position_ids[row, :width][keep].tolist()))
         groups.setdefault(key, []).append(row)
     return list(groups.values())
+
+
+def row_prompts(data) -> tuple[np.ndarray, np.ndarray]:
+    """(prompt group of every row, in `prompt_groups` order; its prompt's real tokens) of a padded
+    batch with `input_ids`, `attention_mask`, `position_ids` and `responses` (what a micro-batch runs
+    and what a pass needed both count each group's prompt once)."""
+    response_len = data["responses"].shape[1]
+    mask = data["attention_mask"]
+    prompt_lengths = mask[:, : mask.shape[1] - response_len].sum(-1).cpu().numpy()
+    ids = np.zeros(len(prompt_lengths), dtype=np.int64)
+    for g, rows in enumerate(prompt_groups(data["input_ids"], mask, data["position_ids"], response_len)):
+        ids[rows] = g
+    return ids, prompt_lengths
 
 
 def pack_shared(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,

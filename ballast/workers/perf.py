@@ -1,9 +1,10 @@
 """Model FLOPs utilisation of a worker's passes (verl's `perf/mfu/*` metrics).
 
 MFU = the model FLOPs a pass needed (forward FLOPs of its samples from the model's config, each
-shared prompt once, times 3 for forward + backward) / (its wall seconds x the device's peak). The peak is measured once at start-up
-on CPU (best fp32 matmul rate on the worker's own threads, so the figure is against what these cores
-really sustain) and looked up in a table of dense bf16 spec-sheet numbers on GPU.
+shared prompt once, times 3 for forward + backward) / (its wall seconds x the device's peak). The
+peak is measured once at start-up on CPU (best fp32 matmul rate on the worker's own threads, so the
+figure is against what these cores really sustain) and looked up in a table of dense bf16
+spec-sheet numbers on GPU.
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ from __future__ import annotations
 import time
 from typing import Dict, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from ballast.engine.shared_prefix import prompt_groups
+from ballast.engine.shared_prefix import row_prompts
 
 # Dense bf16 tensor-core peak FLOP/s from the vendors' spec sheets, by device-name substring.
 GPU_PEAK_FLOPS = (
@@ -50,16 +52,14 @@ def pass_flops(engine, data, passes: float, shared_prompts: bool = False) -> Opt
     once per row: what the pass needed."""
     if not callable(engine.workload):
         return None
-    attention_mask = data["attention_mask"]
-    lengths = attention_mask.sum(-1).cpu().numpy()
+    lengths = data["attention_mask"].sum(-1).cpu().numpy()
     if not len(lengths):
         return 0.0
     flops = float(engine.workload(lengths).sum())
-    if shared_prompts:
-        response_len = data["responses"].shape[1]
-        prompt_lengths = lengths - attention_mask[:, -response_len:].sum(-1).cpu().numpy()
-        for rows in prompt_groups(data["input_ids"], attention_mask, data["position_ids"], response_len):
-            flops -= (len(rows) - 1) * float(engine.workload(prompt_lengths[rows[:1]])[0])
+    if shared_prompts:  # every row but the first of each group repeated its prompt's forward
+        prompt_ids, prompt_lengths = row_prompts(data)
+        _, first, counts = np.unique(prompt_ids, return_index=True, return_counts=True)
+        flops -= float(((counts - 1) * engine.workload(prompt_lengths[first])).sum())
     return passes * flops
 
 

@@ -152,7 +152,7 @@ def derive_sizes(cfg: BallastConfig, model: Optional[ModelInfo] = None) -> Deriv
             ref.log_prob_max_token_len_per_gpu, sp, max_seq))
 
     if actor.use_prefix_grouper:
-        _check_shared_prompts(cfg, actor_sizes, ref_sizes, max_seq)
+        _check_shared_prompts(cfg, actor_sizes, ref_sizes)
 
     critic_sizes = None
     if uses_critic(cfg):
@@ -176,7 +176,7 @@ def derive_sizes(cfg: BallastConfig, model: Optional[ModelInfo] = None) -> Deriv
 _SHARE = "actor_rollout_ref.actor.use_prefix_grouper=True"
 
 
-def _check_shared_prompts(cfg: BallastConfig, actor: RoleSizes, ref: Optional[RoleSizes], max_seq: int) -> None:
+def _check_shared_prompts(cfg: BallastConfig, actor: RoleSizes, ref: Optional[RoleSizes]) -> None:
     """What running each prompt once for its samples needs: the packed layout, no Ulysses, whole
     prompts per rank and per micro-batch, and the worst-case group within every token budget."""
     arr, n = cfg.actor_rollout_ref, cfg.actor_rollout_ref.rollout.n
