@@ -112,20 +112,17 @@ def varlen_causal_attention(
             causal=True,
         )
         return torch.cat([res.unsqueeze(0), out[:, total:]], dim=1)
-    n_rep = h // k.shape[1]
-    if n_rep > 1:
-        k = k.repeat_interleave(n_rep, dim=1)
-        v = v.repeat_interleave(n_rep, dim=1)
     bounds = cu_seqlens.tolist()
-    pieces = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        if end > start:
-            pieces.append(
-                F.scaled_dot_product_attention(
-                    q[:, :, start:end], k[:, :, start:end], v[:, :, start:end],
-                    dropout_p=dropout, is_causal=True, scale=scaling,
-                )
-            )
+    sizes = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
+    if length > total:
+        sizes.append(length - total)
+    # One split per tensor rather than a slice per sequence: a split's backward is one concatenation,
+    # a slice's fills a zero tensor of the whole packed length and adds into it.
+    qs, ks, vs = q.split(sizes, dim=2), k.split(sizes, dim=2), v.split(sizes, dim=2)
+    gqa = h != k.shape[1]
+    pieces = [F.scaled_dot_product_attention(qs[i], ks[i], vs[i], dropout_p=dropout, is_causal=True, scale=scaling,
+                                             enable_gqa=gqa)
+              for i in range(len(bounds) - 1) if sizes[i] > 0]
     res = torch.cat(pieces, dim=2).transpose(1, 2)
     return torch.cat([res, out[:, total:]], dim=1)
 

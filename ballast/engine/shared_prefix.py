@@ -131,26 +131,27 @@ def shared_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     """Attention over a shared pack. q (1, H, L, D), k/v (1, H_kv, L, D) -> (1, L, H, D); positions
     beyond the groups (Ulysses divisibility padding) get zero output."""
     _, h, length, d = q.shape
-    n_rep = h // k.shape[1]
-    if n_rep > 1:
-        k = k.repeat_interleave(n_rep, dim=1)
-        v = v.repeat_interleave(n_rep, dim=1)
-    pieces, end = [], 0
+    sizes = [n for group in groups for n in (group.prompt_len, *group.response_lens)]
+    end = sum(sizes)
+    if end < length:
+        sizes.append(length - end)
+    # One split per tensor, not a slice per segment: a split's backward is one concatenation, while
+    # every slice's backward fills a zero tensor of the whole sequence and adds into it.
+    qs, ks, vs = q.split(sizes, dim=2), k.split(sizes, dim=2), v.split(sizes, dim=2)
+    gqa = h != k.shape[1]
+    pieces, i = [], 0
     for group in groups:
-        s, p = group.start, group.prompt_len
-        k_prompt, v_prompt = k[:, :, s:s + p], v[:, :, s:s + p]
-        pieces.append(F.scaled_dot_product_attention(q[:, :, s:s + p], k_prompt, v_prompt, dropout_p=dropout,
-                                                     is_causal=True, scale=scaling))
-        a = s + p
+        p, k_prompt, v_prompt = group.prompt_len, ks[i], vs[i]
+        pieces.append(F.scaled_dot_product_attention(qs[i], k_prompt, v_prompt, dropout_p=dropout, is_causal=True,
+                                                     scale=scaling, enable_gqa=gqa))
+        i += 1
         for r in group.response_lens:
             if r:
-                keys = torch.cat([k_prompt, k[:, :, a:a + r]], dim=2)
-                values = torch.cat([v_prompt, v[:, :, a:a + r]], dim=2)
-                pieces.append(F.scaled_dot_product_attention(q[:, :, a:a + r], keys, values,
-                                                             attn_mask=_response_mask(r, p, q.device),
-                                                             dropout_p=dropout, scale=scaling))
-            a += r
-        end = a
+                keys = torch.cat([k_prompt, ks[i]], dim=2)
+                values = torch.cat([v_prompt, vs[i]], dim=2)
+                pieces.append(F.scaled_dot_product_attention(qs[i], keys, values, attn_mask=_response_mask(r, p, q.device),
+                                                             dropout_p=dropout, scale=scaling, enable_gqa=gqa))
+            i += 1
     out = torch.cat(pieces, dim=2).transpose(1, 2) if pieces else q.new_zeros((1, 0, h, d))
     if end < length:
         out = torch.cat([out, q.new_zeros((1, length - end, h, d))], dim=1)
