@@ -60,6 +60,7 @@ import dataclasses
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -210,6 +211,8 @@ def run_ballast(case: Case, warmup: int, steps: int, workers: int, overrides: Li
             raise RuntimeError(f"ballast run failed (exit {proc.returncode}); see {log}")
         with open(os.path.join(out_dir, "metrics.jsonl")) as f:
             rows = [json.loads(line) for line in f if line.strip()]
+        # every step's metrics next to the log, for whatever the summary does not report
+        shutil.copy(os.path.join(out_dir, "metrics.jsonl"), log[: -len(".log")] + ".metrics.jsonl")
     rows = [r for r in rows if "timing_s/step" in r][: warmup + steps]  # --tail-steps are not measured
     whole = whole_run([r["timing_s/step"] for r in rows])
     rows = rows[warmup:]
