@@ -8,7 +8,7 @@ model's logits often are over a 50k vocabulary. The backward here is the closed 
     d log_softmax(z)[y] / dz = onehot(y) - softmax(z)
     d H(softmax(z)) / dz    = softmax(z) * (E_p[z] - z),   E_p[z] = logsumexp(z) - H
 
-computed `block` token rows at a time (a block of fp32 temporaries stays in cache) and written
+computed a block of token rows at a time (on CPU a block of fp32 temporaries stays in cache) and written
 straight into the gradient of the logits. Only the logits (which the forward holds anyway), the
 per-token `logsumexp` and entropy are kept for the backward, so no more than a block of float32
 vocabulary rows exists at any moment beyond the logits and their gradient, whatever their dtype.
@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import torch
 
-# Token rows per block: 16 fp32 rows of a 50k vocabulary are ~3 MB, the size of a core's cache share.
-BLOCK_TOKENS = 16
+# Token rows per block on CPU: 16 fp32 rows of a 50k vocabulary are ~3 MB, about a core's cache
+# share. A GPU gets `chunk_tokens` rows per block: there, few large kernels beat many small ones.
+CPU_BLOCK_TOKENS = 16
 
 
 def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -87,7 +88,7 @@ def log_probs_and_entropy(
 
     `logits` is (N, V) in any float dtype, `labels` (N,) int64. Returns float32 (N,) log-probs and
     (N,) entropies (None unless `calculate_entropy`). At most `chunk_tokens` rows of float32
-    vocabulary-wide temporaries exist at once (fewer: blocks of `BLOCK_TOKENS`).
+    vocabulary-wide temporaries exist at once (on CPU fewer: blocks of `CPU_BLOCK_TOKENS`).
     """
     if logits.dim() != 2 or labels.shape != logits.shape[:1]:
         raise ValueError(f"need logits (N, V) and labels (N,), got {tuple(logits.shape)} and {tuple(labels.shape)}")
@@ -95,6 +96,6 @@ def log_probs_and_entropy(
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    log_probs, entropy = _TokenLogProbs.apply(logits, labels, float(temperature), calculate_entropy,
-                                              min(chunk_tokens, BLOCK_TOKENS))
+    block = min(chunk_tokens, CPU_BLOCK_TOKENS) if logits.device.type == "cpu" else chunk_tokens
+    log_probs, entropy = _TokenLogProbs.apply(logits, labels, float(temperature), calculate_entropy, block)
     return log_probs, (entropy if calculate_entropy else None)
