@@ -132,6 +132,10 @@ def shared_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     beyond the groups (Ulysses divisibility padding) get zero output."""
     _, h, length, d = q.shape
     sizes = [n for group in groups for n in (group.prompt_len, *group.response_lens)]
+    offset = 0
+    for group in groups:  # the split below relies on the pack's layout: groups back to back from 0
+        assert group.start == offset, (group.start, offset)
+        offset += group.length
     end = sum(sizes)
     if end < length:
         sizes.append(length - end)
@@ -149,8 +153,9 @@ def shared_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
             if r:
                 keys = torch.cat([k_prompt, ks[i]], dim=2)
                 values = torch.cat([v_prompt, vs[i]], dim=2)
-                pieces.append(F.scaled_dot_product_attention(qs[i], keys, values, attn_mask=_response_mask(r, p, q.device),
-                                                             dropout_p=dropout, scale=scaling, enable_gqa=gqa))
+                mask = _response_mask(r, p, q.device)
+                pieces.append(F.scaled_dot_product_attention(qs[i], keys, values, attn_mask=mask, dropout_p=dropout,
+                                                             scale=scaling, enable_gqa=gqa))
             i += 1
     out = torch.cat(pieces, dim=2).transpose(1, 2) if pieces else q.new_zeros((1, 0, h, d))
     if end < length:
