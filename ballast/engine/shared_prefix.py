@@ -132,11 +132,10 @@ def shared_prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     beyond the groups (Ulysses divisibility padding) get zero output."""
     _, h, length, d = q.shape
     sizes = [n for group in groups for n in (group.prompt_len, *group.response_lens)]
-    offset = 0
+    end = 0
     for group in groups:  # the split below relies on the pack's layout: groups back to back from 0
-        assert group.start == offset, (group.start, offset)
-        offset += group.length
-    end = sum(sizes)
+        assert group.start == end, (group.start, end)
+        end += group.length
     if end < length:
         sizes.append(length - end)
     # One split per tensor, not a slice per segment: a split's backward is one concatenation, while
