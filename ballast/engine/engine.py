@@ -57,6 +57,12 @@ RESERVED_METRICS = ("loss", "num_micro_batches", "num_dummy_micro_batches", "num
 LossFn = Callable[[dict, TensorDict, GlobalNorm], tuple[torch.Tensor, dict]]
 
 
+def row_index(rows) -> torch.Tensor:
+    """A micro-batch's row indices as an int64 tensor. A copy: a plan that came through Ray holds
+    read-only numpy arrays, which torch would share (and warn about) rather than copy."""
+    return torch.tensor(rows, dtype=torch.int64)
+
+
 def _check_batch(data: TensorDict) -> str | None:
     """Error message for a malformed mini-batch, or None."""
     missing = [k for k in REQUIRED_KEYS if k not in data.keys()]
@@ -268,7 +274,7 @@ class TrainEngine:
                         self._run_dummy(self.model, data["input_ids"].shape[1], data["responses"].shape[1], opts,
                                         backward=False)
                         continue
-                    micro = data[torch.as_tensor(rows, dtype=torch.int64)].to(device)
+                    micro = data[row_index(rows)].to(device)
                     add(forward_micro_batch(self.model, micro, opts, self.parallel), micro)
         if self.parallel.dp_size > 1:
             dist.all_reduce(total, group=self.parallel.dp_group)
@@ -277,7 +283,7 @@ class TrainEngine:
     def _micro_step(self, data, rows, loss_fn, norm, opts, module, forward_only, sums) -> None:
         """Forward one micro-batch, its loss share and (unless forward-only) backward; sums the metrics."""
         device = self.parallel.device
-        micro = data[torch.as_tensor(rows, dtype=torch.int64)].to(device)
+        micro = data[row_index(rows)].to(device)
         outputs = forward_micro_batch(module, micro, opts, self.parallel)
         loss, metrics = loss_fn(outputs, micro, norm)
         clash = sorted(set(metrics) & set(RESERVED_METRICS))
@@ -323,7 +329,7 @@ class TrainEngine:
                 self._run_dummy(self.model, data["input_ids"].shape[1], data["responses"].shape[1], opts,
                                 backward=False)
                 continue
-            micro = data[torch.as_tensor(rows, dtype=torch.int64)].to(self.parallel.device)
+            micro = data[row_index(rows)].to(self.parallel.device)
             for key, value in forward_micro_batch(self.model, micro, opts, self.parallel).items():
                 per_key.setdefault(key, []).append(value.detach())
         batch = data.batch_size[0]

@@ -96,3 +96,23 @@ def test_check_rank_plan_names_every_defect():
     for message, bad in cases.items():
         error = check_rank_plan(bad, 2, 0, lengths)
         assert error is not None and message in error, (message, error)
+
+
+def test_row_index_copies_read_only_plan_rows_without_warning():
+    # A plan that came through Ray holds read-only arrays: selecting a micro-batch must neither warn
+    # nor share memory with them.
+    import warnings
+
+    from ballast.engine.engine import row_index
+
+    rows = np.array([3, 0, 2], dtype=np.int64)
+    rows.flags.writeable = False
+    data = make_rl_batch([2, 3, 4, 5], [1, 2, 3, 4], vocab_size=50)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        index = row_index(rows)
+        micro = data[index]
+    assert index.dtype == torch.int64 and index.tolist() == [3, 0, 2]
+    assert torch.equal(micro["input_ids"], data["input_ids"][[3, 0, 2]])
+    index[0] = 1
+    assert rows[0] == 3
