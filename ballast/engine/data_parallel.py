@@ -42,13 +42,15 @@ def choose_mode(world_size: int, shard_size: int, cpu_offload: bool, compute_dty
     """The data-parallel mode of an engine on `world_size` ranks whose parameters are shared by
     `shard_size` ranks (`ballast.engine.dist.resolve_shard_size`).
 
-    Whole replicas (one rank per copy of the parameters, at least two ranks, fp32 compute, no CPU
-    offload) need no sharding: trainable ones run under DDP, frozen ones as plain modules. Anything
-    else is FSDP2, a single rank included. bf16 compute stays on FSDP2 because DDP has no
-    parameter-cast policy, and CPU offload is an FSDP2 policy.
+    Whole replicas (one rank per copy of the parameters, fp32 compute, no CPU offload) need no
+    sharding: trainable ones run under DDP, frozen ones as plain modules. A single rank is one such
+    replica: FSDP2 over one rank would shard nothing yet still copy and divide every gradient after
+    backward (on CPU a fifth of a 135M model's update). Anything else is FSDP2. bf16 compute stays
+    on FSDP2 because DDP has no parameter-cast policy, and CPU offload is an FSDP2 policy.
     """
-    whole_replicas = (world_size > 1 and shard_size == 1 and not cpu_offload
-                      and compute_dtype == torch.float32)
+    if world_size < 1 or shard_size < 1:
+        raise ValueError(f"world_size={world_size} and shard_size={shard_size} must be >= 1")
+    whole_replicas = shard_size == 1 and not cpu_offload and compute_dtype == torch.float32
     if not whole_replicas:
         return DataParallelMode.FSDP
     return DataParallelMode.DDP if trainable else DataParallelMode.REPLICA

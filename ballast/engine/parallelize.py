@@ -14,7 +14,7 @@ mini-batch gradient is therefore the sum over all dp x sp ranks. FSDP's default 
 dp * sp. The divide factor must be set on every FSDP module (each reduces its own parameters), and
 sum-only reductions are forced because gloo has no pre-multiplied sum.
 
-Whole replicas (`fsdp_size=1` with two or more ranks, fp32 compute, no offload: `choose_mode`) are
+Whole replicas (`fsdp_size=1`, or a single rank; fp32 compute, no offload: `choose_mode`) are
 not FSDP2-wrapped: every rank holds the whole model, so FSDP2 would shard nothing, yet it would still
 copy each layer's gradients into a flat buffer, divide them by the factor 1 into a new buffer and
 copy that into a third before all-reducing it (three passes over the gradients per backward).

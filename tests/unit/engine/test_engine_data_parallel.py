@@ -15,8 +15,9 @@ FSDP, DDP, REPLICA = DataParallelMode.FSDP, DataParallelMode.DDP, DataParallelMo
 @pytest.mark.parametrize("world, shard, offload, dtype, trainable, expected", [
     (2, 1, False, torch.float32, True, DDP),        # whole fp32 replicas: DDP when trainable
     (8, 1, False, torch.float32, False, REPLICA),   # ... and a plain module when frozen
-    (1, 1, False, torch.float32, True, FSDP),       # one rank: nobody to reduce with, FSDP2 over one rank
-    (1, 1, False, torch.float32, False, FSDP),
+    (1, 1, False, torch.float32, True, DDP),        # one rank is a whole replica: FSDP2 would shard nothing
+    (1, 1, False, torch.float32, False, REPLICA),
+    (1, 1, False, torch.bfloat16, True, FSDP),      # ... except where replicas never apply
     (4, 4, False, torch.float32, True, FSDP),       # one copy sharded over every rank
     (4, 2, False, torch.float32, False, FSDP),      # hybrid sharding, frozen or not
     (4, 2, False, torch.float32, True, FSDP),
@@ -37,7 +38,10 @@ def test_choose_mode(world, shard, offload, dtype, trainable, expected):
     ("actor", -1, "auto", 4, "cpu", FSDP),
     ("actor", 16, "auto", 4, "cpu", FSDP),          # >= world means one copy over every rank
     ("actor", 2, "fp32", 4, "cpu", FSDP),
-    ("actor", 1, "auto", 1, "cpu", FSDP),
+    ("actor", 1, "auto", 1, "cpu", DDP),            # one rank: whatever fsdp_size says
+    ("actor", -1, "fp32", 1, "cpu", DDP),
+    ("ref", -1, "auto", 1, "cpu", REPLICA),
+    ("actor", -1, "auto", 1, "cuda", FSDP),         # bf16 on CUDA
 ])
 def test_mode_from_the_engine_config_without_a_model(role, fsdp_size, precision, world, device, expected):
     cfg = EngineConfig(model_path="/unused", role=role, fsdp_size=fsdp_size, precision=precision, device="cpu")
