@@ -4,7 +4,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from ballast.engine.attention import ATTN_IMPLEMENTATION, varlen_causal_attention
+from ballast.engine.attention import (
+    ATTN_IMPLEMENTATION,
+    PackedAttentionContext,
+    ballast_attention_forward,
+    varlen_causal_attention,
+)
 from ballast.engine.forward import ForwardOptions, forward_micro_batch
 from ballast.engine.model import load_model
 from testkit.engine import make_rl_batch
@@ -101,6 +106,44 @@ def test_varlen_attention_equals_dense_block_diagonal_mask():
     ).transpose(1, 2)
     torch.testing.assert_close(out[:, :8], dense[:, :8], atol=1e-6, rtol=0)
     assert torch.all(out[:, 8:] == 0)
+
+
+@pytest.mark.parametrize("shared_layout", [False, True])
+def test_bf16_attention_on_cpu_is_the_fp32_attention_rounded(shared_layout):
+    """bf16 q/k/v on CPU: output = fp32 attention cast to bf16 (bitwise), gradients in bf16 near fp32's."""
+    from ballast.engine.shared_prefix import SharedGroup
+
+    gen = torch.Generator().manual_seed(1)
+    q32, k32, v32 = (torch.randn(1, h, 12, 8, generator=gen) for h in (4, 2, 2))
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    shared = (SharedGroup(0, 3, (2,)), SharedGroup(5, 4, (1, 2))) \
+        if shared_layout else None
+    ctx = PackedAttentionContext(cu_seqlens=cu, max_seqlen=7, shared=shared)
+    outs, grads = {}, {}
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q32, k32, v32))
+        out, _ = ballast_attention_forward(None, q, k, v, None, scaling=0.3, ballast_packed=ctx)
+        assert out.dtype == dtype
+        out.float().pow(2).sum().backward()
+        outs[dtype], grads[dtype] = out.detach(), [t.grad for t in (q, k, v)]
+    q, k, v = (t.to(torch.bfloat16).float() for t in (q32, k32, v32))
+    exact, _ = ballast_attention_forward(None, q, k, v, None, scaling=0.3, ballast_packed=ctx)
+    assert torch.equal(outs[torch.bfloat16], exact.to(torch.bfloat16))
+    for g16, g32 in zip(grads[torch.bfloat16], grads[torch.float32]):
+        assert g16.dtype == torch.bfloat16
+        torch.testing.assert_close(g16.float(), g32, atol=0.05, rtol=0.05)
+
+
+def test_bf16_model_packed_and_padded_agree(tiny_lm_dir):
+    """The padded (mask) path upcasts too: a bf16 model's log-probs agree across both layouts."""
+    data = make_rl_batch(PROMPTS, RESPONSES, vocab_size=128, seed=7)
+    model = load_model(tiny_lm_dir, "actor").to(torch.bfloat16)
+    with torch.no_grad():
+        lp = {rmpad: forward_micro_batch(model, data, ForwardOptions(is_critic=False, use_remove_padding=rmpad))
+              ["log_probs"] for rmpad in (True, False)}
+    mask = data["response_mask"].bool()
+    assert lp[True][mask].abs().min() > 0
+    torch.testing.assert_close(lp[True], lp[False], atol=0.03, rtol=0)
 
 
 def test_cpu_offload_is_rejected_on_a_cpu_engine(tiny_lm_dir):
