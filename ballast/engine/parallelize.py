@@ -6,7 +6,8 @@
 3. data parallelism (`ballast.engine.data_parallel`): FSDP2 `fully_shard` of every decoder layer,
    then of the root, over the parameter mesh, with bf16 compute / fp32 reduction on CUDA (fp32
    throughout on CPU) and optional CPU offload (CUDA only), or whole replicas (below);
-4. gradient reduction switched from FSDP's default average over the mesh to a plain SUM.
+4. gradient reduction switched from FSDP's default average over the mesh to a plain SUM;
+5. on CPU, a tied input embedding's gradient made sparse (below).
 
 Why 4: each rank's loss is its exact share of the mini-batch loss (`ballast.engine.losses`), and the
 SP ranks' gradients of one replica add up to that replica's gradient (`ballast.engine.ulysses`); the
@@ -23,6 +24,17 @@ whose gradients are views into its all-reduce buckets (no copies) and whose buck
 during backward; its communication hook sums (step 4) instead of averaging. A frozen model (the
 reference) needs no wrapper at all. With bf16 compute the FSDP2 path stays: DDP has no
 parameter-cast policy.
+
+Why 5: with tied embeddings (SmolLM2, Qwen2's small models) the vocabulary matrix gets two
+gradients: the LM head's, a dense matmul, and the embedding lookup's, which torch computes densely
+by zero-filling a fresh vocabulary-sized tensor, adding the few looked-up rows into it and then
+adding that whole tensor to the head's. On a CPU those passes over the matrix (113 MB for
+SmolLM2-135M) cost ~0.2-0.8 s of a ~8 s forward+backward. A sparse lookup gradient holds only the
+rows looked up, and autograd adds it into the head's dense gradient before the parameter sees it, so
+the parameter's gradient stays dense (same values up to the order of the float additions) and
+optimizers, clipping and reductions are untouched. It is switched on after wrapping because DDP,
+at construction, would put a parameter of a sparse embedding in a bucket that expects a sparse final
+gradient. Untied or frozen embeddings keep the dense lookup: their gradient would be sparse itself.
 """
 
 from __future__ import annotations
@@ -114,10 +126,24 @@ def parallelize(model: PreTrainedModel, parallel: ParallelState, cfg: EngineConf
         )
     dtype = compute_dtype(cfg, parallel.device_type)
     mode = choose_mode(parallel.world_size, parallel.shard_size, cfg.cpu_offload, dtype, cfg.trainable)
+    sparse_lookup = parallel.device_type == "cpu" and _has_trainable_tied_embedding(model)
     if mode is not DataParallelMode.FSDP:
-        return _replicate(model, parallel, mode)
-    _fully_shard(model, parallel, cfg, dtype)
-    return DataParallel(model, mode, defer_reduction=defers_fsdp_reduction(parallel.device_type))
+        strategy = _replicate(model, parallel, mode)
+    else:
+        _fully_shard(model, parallel, cfg, dtype)
+        strategy = DataParallel(model, mode, defer_reduction=defers_fsdp_reduction(parallel.device_type))
+
+    # 5. tied embedding: sparse lookup gradient, summed into the head's dense one by autograd
+    if sparse_lookup:
+        model.get_input_embeddings().sparse = True
+    return strategy
+
+
+def _has_trainable_tied_embedding(model: PreTrainedModel) -> bool:
+    """Whether the input embedding is a trainable `nn.Embedding` whose weight is also the LM head's."""
+    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
+    return (isinstance(inputs, torch.nn.Embedding) and outputs is not None
+            and outputs.weight is inputs.weight and inputs.weight.requires_grad)
 
 
 def _fully_shard(model: PreTrainedModel, parallel: ParallelState, cfg: EngineConfig, dtype: torch.dtype) -> None:

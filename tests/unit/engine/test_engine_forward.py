@@ -168,3 +168,18 @@ def test_ulysses_needs_heads_divisible_by_sp(tiny_lm_dir):
     cfg = EngineConfig(model_path=tiny_lm_dir, ulysses_sequence_parallel_size=3)
     with pytest.raises(ValueError, match="ulysses_sequence_parallel_size=3 must divide num_attention_heads=4"):
         parallelize(model, SimpleNamespace(sp_size=3, device_type="cpu"), cfg)
+
+
+def test_sparse_lookup_only_for_a_trainable_tied_embedding(tmp_path, tiny_lm_dir):
+    """A sparse lookup gradient stays dense only when the head's dense gradient is added to it: an
+    untied, frozen or critic embedding would hand the optimizer a sparse gradient."""
+    from ballast.engine.parallelize import _has_trainable_tied_embedding
+    from testkit.models import build_tiny_causal_lm
+
+    tied_dir = build_tiny_causal_lm(str(tmp_path / "tied"), seed=1, tie_word_embeddings=True)
+    tied = load_model(tied_dir, "actor")
+    assert _has_trainable_tied_embedding(tied)
+    assert not _has_trainable_tied_embedding(load_model(tiny_lm_dir, "actor"))  # untied
+    assert not _has_trainable_tied_embedding(load_model(tied_dir, "critic"))  # value head, no LM head
+    tied.requires_grad_(False)  # a reference model, or a LoRA base
+    assert not _has_trainable_tied_embedding(tied)
