@@ -65,15 +65,27 @@ def build_engine(args, work: list[dict]):
     from ballast.workers.rollout import RolloutConfig, SamplingConfig, build_backend
     from ballast.workers.rollout.async_engine import make_core
 
-    model = str(build_tiny_model(os.path.join(args.cache, "agent_bench_tiny"), preset=args.preset, seed=0))
+    model = args.model_dir or str(build_tiny_model(os.path.join(args.cache, "agent_bench_tiny"),
+                                                   preset=args.preset, seed=0))
     sampling = SamplingConfig(max_response_length=args.long[1], seed=args.seed, ignore_eos=True)
     # the longest conversation of this work (a bound from the ranges alone can pass the model's 2048 positions)
-    longest = max(len(w["prompt"]) + sum(w["turns"]) + (len(w["turns"]) - 1) * args.tool_tokens for w in work)
-    cfg = RolloutConfig(model_path=model, backend=args.backend, device="cpu", max_model_len=longest + 8,
-                        kv_cache_memory_bytes=256 << 20, max_num_seqs=max(64, args.conversations),
+    sizes = [len(w["prompt"]) + sum(w["turns"]) + (len(w["turns"]) - 1) * args.tool_tokens for w in work]
+    cfg = RolloutConfig(model_path=model, backend=args.backend, device="cpu", max_model_len=max(sizes) + 8,
+                        kv_cache_memory_bytes=kv_cache_bytes(model, sum(sizes)),
+                        max_num_seqs=max(64, args.conversations),
                         block_size=32 if args.backend == "vllm" else None, sampling=sampling)
     backend = build_backend(cfg)
     return lambda: make_core(backend, sampling)
+
+
+def kv_cache_bytes(model_dir: str, tokens: int) -> int:
+    """A KV cache that holds every conversation whole (async mode keeps them all live), at least 256 MiB."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(model_dir)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 4  # K and V, float32
+    return max(256 << 20, int(1.5 * tokens * per_token))
 
 
 def make_tools(latency_s: float):
@@ -124,10 +136,24 @@ async def _batched_mode(engine, work, executor, call, tool_ids):
     return [len(s) - len(w["prompt"]) for s, w in zip(seqs, work)]
 
 
-def critical_conversation(new_core, work, executor, call, tool_ids) -> int:
-    """The index of the conversation that takes longest alone on the engine (each timed once)."""
-    times = [run_mode("async", new_core, [w], executor, call, tool_ids)["seconds"] for w in work]
-    return int(np.argmax(times))
+def critical_conversation(new_core, work, executor, call, tool_ids, latency_s: float, candidates: int) -> int:
+    """The index of the conversation that takes longest alone on the engine (each candidate timed once).
+
+    With `candidates` > 0 only that many are timed: those a cost estimate ranks highest (sampled tokens at
+    the per-token time of the conversation with the most tokens, alone, plus its tool calls' latency). On a
+    real model one conversation alone takes a minute, and the estimate's ranking is what timing would give
+    wherever decode steps cost about the same whatever the context, as they do at these lengths.
+    """
+    order = list(range(len(work)))
+    if 0 < candidates < len(work):
+        tokens = [sum(w["turns"]) for w in work]
+        probe = int(np.argmax(tokens))
+        r = run_mode("async", new_core, [work[probe]], executor, call, tool_ids)
+        per_token = (r["seconds"] - latency_s * (len(work[probe]["turns"]) - 1)) / tokens[probe]
+        est = [tokens[i] * per_token + latency_s * (len(w["turns"]) - 1) for i, w in enumerate(work)]
+        order = sorted(order, key=lambda i: -est[i])[:candidates]
+    times = {i: run_mode("async", new_core, [work[i]], executor, call, tool_ids)["seconds"] for i in order}
+    return max(times, key=times.get)
 
 
 def run_mode(mode: str, new_core, work, executor, call, tool_ids) -> dict:
@@ -146,10 +172,17 @@ def run_mode(mode: str, new_core, work, executor, call, tool_ids) -> dict:
 
 
 def main() -> None:
+    from step_bench import cpu_info  # this directory is first on sys.path
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", help="write the results here")
     p.add_argument("--backend", default="vllm", choices=["vllm", "hf"])
     p.add_argument("--preset", default="tiny")
+    p.add_argument("--model-dir", help="a local HF model directory instead of the tiny model (e.g. SmolLM2)")
+    p.add_argument("--warmup-conversations", type=int, default=0,
+                   help="warm each mode up on the first N conversations only (0: the whole work)")
+    p.add_argument("--critical-candidates", type=int, default=0,
+                   help="time only the N conversations a cost estimate ranks longest for the bound (0: all)")
     p.add_argument("--conversations", type=int, default=32)
     p.add_argument("--min-calls", type=int, default=4)
     p.add_argument("--max-calls", type=int, default=8)
@@ -168,9 +201,11 @@ def main() -> None:
     executor, call = make_tools(args.tool_latency_s)
     tool_ids = list(range(50, 50 + args.tool_tokens))
     runs = {"async": [], "batched": [], "critical": []}
+    warm = work[:args.warmup_conversations] if args.warmup_conversations > 0 else work
     for mode in ("batched", "async"):  # warm-up (first-shape compiles), not counted
-        run_mode(mode, new_core, work, executor, call, tool_ids)
-    critical = critical_conversation(new_core, work, executor, call, tool_ids)
+        run_mode(mode, new_core, warm, executor, call, tool_ids)
+    critical = critical_conversation(new_core, work, executor, call, tool_ids, args.tool_latency_s,
+                                     args.critical_candidates)
     works = {"async": work, "batched": work, "critical": [work[critical]]}
     for rep in range(args.repeats):
         for mode in (("batched", "async", "critical") if rep % 2 == 0 else ("critical", "async", "batched")):
@@ -182,7 +217,8 @@ def main() -> None:
     calls = sum(len(w["turns"]) - 1 for w in work)
     sampled = sum(sum(w["turns"]) for w in work)
     result = {
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_avg_end": os.getloadavg()},
+        "machine": {"platform": platform.platform(), "cpu": cpu_info(), "cpus": os.cpu_count(),
+                    "load_avg_end": os.getloadavg()},
         "config": {k: v for k, v in vars(args).items() if k != "json"},
         "work": {"conversations": len(work), "tool_calls": calls, "sampled_tokens": sampled,
                  "inserted_tokens": calls * args.tool_tokens, "turns": calls + len(work)},
