@@ -72,7 +72,7 @@ def build_engine(args, work: list[dict]):
     sizes = [len(w["prompt"]) + sum(w["turns"]) + (len(w["turns"]) - 1) * args.tool_tokens for w in work]
     cfg = RolloutConfig(model_path=model, backend=args.backend, device="cpu", max_model_len=max(sizes) + 8,
                         kv_cache_memory_bytes=kv_cache_bytes(model, sum(sizes)),
-                        max_num_seqs=max(64, args.conversations),
+                        max_num_seqs=max(64, args.conversations), dtype=args.dtype,
                         block_size=32 if args.backend == "vllm" else None, sampling=sampling)
     backend = build_backend(cfg)
     return lambda: make_core(backend, sampling)
@@ -84,7 +84,7 @@ def kv_cache_bytes(model_dir: str, tokens: int) -> int:
 
     c = AutoConfig.from_pretrained(model_dir)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 4  # K and V, float32
+    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 4  # K and V, float32 (an upper bound)
     return max(256 << 20, int(1.5 * tokens * per_token))
 
 
@@ -179,6 +179,7 @@ def main() -> None:
     p.add_argument("--backend", default="vllm", choices=["vllm", "hf"])
     p.add_argument("--preset", default="tiny")
     p.add_argument("--model-dir", help="a local HF model directory instead of the tiny model (e.g. SmolLM2)")
+    p.add_argument("--dtype", default="auto", help="the rollout engine's dtype (auto: float32 on CPU), both modes")
     p.add_argument("--warmup-conversations", type=int, default=0,
                    help="warm each mode up on the first N conversations only (0: the whole work)")
     p.add_argument("--critical-candidates", type=int, default=0,
