@@ -144,15 +144,19 @@ def critical_conversation(new_core, work, executor, call, tool_ids, latency_s: f
     real model one conversation alone takes a minute, and the estimate's ranking is what timing would give
     wherever decode steps cost about the same whatever the context, as they do at these lengths.
     """
-    order = list(range(len(work)))
+    def alone(i: int) -> float:
+        return run_mode("async", new_core, [work[i]], executor, call, tool_ids)["seconds"]
+
+    order, times = list(range(len(work))), {}
     if 0 < candidates < len(work):
         tokens = [sum(w["turns"]) for w in work]
         probe = int(np.argmax(tokens))
-        r = run_mode("async", new_core, [work[probe]], executor, call, tool_ids)
-        per_token = (r["seconds"] - latency_s * (len(work[probe]["turns"]) - 1)) / tokens[probe]
+        times[probe] = alone(probe)  # a candidate too, if the estimate ranks it there: not timed twice
+        per_token = (times[probe] - latency_s * (len(work[probe]["turns"]) - 1)) / tokens[probe]
         est = [tokens[i] * per_token + latency_s * (len(w["turns"]) - 1) for i, w in enumerate(work)]
         order = sorted(order, key=lambda i: -est[i])[:candidates]
-    times = {i: run_mode("async", new_core, [work[i]], executor, call, tool_ids)["seconds"] for i in order}
+        times = {i: t for i, t in times.items() if i in order}
+    times.update({i: alone(i) for i in order if i not in times})
     return max(times, key=times.get)
 
 
