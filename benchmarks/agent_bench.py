@@ -21,7 +21,8 @@ Modes, on one engine (vLLM by default, `--backend hf` for transformers) and the 
     engine (the one whose own turns and tool calls take longest when run by itself). No schedule
     can finish the work sooner than its turns one after another, so `critical_s / batched_s` is the
     lowest ratio any request-level scheduler could reach on this work on this machine.
-All run `--repeats` times, interleaved (batched, async, critical, critical, async, batched, ...) after
+Every run (warm-up and bound included) starts from an empty prefix cache, so each mode prefills the same
+tokens whatever ran before it on the engine. All run `--repeats` times, interleaved (batched, async, critical, critical, async, batched, ...) after
 one warm-up of each; the result is the median wall time per mode and the ratio async / batched
 (target: async <= 0.5 x batched on the 2-core box), beside the bound. Token and tool-call totals are
 reported to show that async and batched do the same work.
@@ -75,7 +76,16 @@ def build_engine(args, work: list[dict]):
                         max_num_seqs=max(64, args.conversations), dtype=args.dtype,
                         block_size=32 if args.backend == "vllm" else None, sampling=sampling)
     backend = build_backend(cfg)
-    return lambda: make_core(backend, sampling)
+
+    def new_core():
+        # Every run starts from an empty prefix cache: blocks a previous run left behind (the same
+        # conversations, the same tokens) would turn this run's prefill into cache hits, so a run's cost
+        # would depend on what ran before it.
+        if args.backend == "vllm" and backend.llm.reset_prefix_cache() is False:
+            raise RuntimeError("vLLM refused to reset its prefix cache between runs")
+        return make_core(backend, sampling)
+
+    return new_core
 
 
 def kv_cache_bytes(model_dir: str, tokens: int) -> int:
@@ -176,7 +186,7 @@ def run_mode(mode: str, new_core, work, executor, call, tool_ids) -> dict:
 
 
 def main() -> None:
-    from step_bench import cpu_info  # this directory is first on sys.path
+    from machine import cpu_info  # this directory is first on sys.path
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", help="write the results here")

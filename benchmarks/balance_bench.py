@@ -83,6 +83,7 @@ from ballast.balance.micro_batch import min_micro_batches, plan_dynamic_micro_ba
 from ballast.balance.step_plan import StepPlan, lockstep_lower_bounds, plan_step
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from machine import cpu_model  # noqa: E402
 from balance_cases import DISTRIBUTIONS, GROUPED, NEW_DISTRIBUTIONS, STRESS_DISTRIBUTIONS, build_cases  # noqa: E402
 
 
@@ -294,18 +295,6 @@ def check_targets(cases: list[dict], old_cases: int) -> list[str]:
         if rt_ours > rt_verl * (1 + 1e-12):
             failures.append(f"{name}: heaviest rank {rt_ours:.4f} x mean behind verl {rt_verl:.4f}")
     return failures
-
-
-def cpu_model() -> str:
-    """The CPU's model name (what ``lscpu`` prints), or the architecture where /proc is absent."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
 
 
 def main(argv: list[str] | None = None) -> int:

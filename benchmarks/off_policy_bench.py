@@ -48,7 +48,8 @@ import time
 from typing import Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from step_bench import ROOT, _env, cpu_info, ensure_quickstart  # noqa: E402
+from machine import cpu_info  # noqa: E402
+from step_bench import ROOT, _env, ensure_quickstart  # noqa: E402
 
 REWARD_FILE = """\
 import os, time

@@ -33,6 +33,9 @@ import time  # noqa: E402
 import torch  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from machine import cpu_model  # noqa: E402
+
 
 def make_prompts(num_prompts: int, min_len: int, max_len: int, vocab_size: int, seed: int) -> TensorDict:
     gen = torch.Generator().manual_seed(seed)
@@ -71,17 +74,6 @@ def _model_summary(model_dir: str) -> str:
     c = _model_config(model_dir)
     return (f"hidden={c['hidden_size']} layers={c['num_hidden_layers']} heads={c['num_attention_heads']} "
             f"vocab={c['vocab_size']} tied={c.get('tie_word_embeddings', False)}")
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main() -> None:
@@ -142,7 +134,7 @@ def main() -> None:
         "threads": int(os.environ["OMP_NUM_THREADS"]),
         "model": f"{model_name} ({_model_summary(model_dir)}, float32)",
         "versions": {"torch": torch.__version__, "vllm": vllm_pkg.__version__},
-        "machine": f"{_cpu_model()}, {os.cpu_count()} cores, {platform.platform()}",
+        "machine": f"{cpu_model()}, {os.cpu_count()} cores, {platform.platform()}",
         "load_average_1m": os.getloadavg()[0],
         "date": datetime.date.today().isoformat(),
     }

@@ -69,6 +69,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Optional
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # sibling modules, also when loaded by path
+from machine import cpu_info  # noqa: E402
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QS = os.path.join(ROOT, ".cache", "quickstart")
 PHASES = {  # output name -> Ballast timing_s key
@@ -106,30 +109,6 @@ def matmul_peak_flops(threads: int, seconds: float = 1.5) -> float:
 
     torch._C.set_num_threads(threads)
     return cpu_matmul_peak_flops(seconds=seconds)
-
-
-# Instruction sets that decide which kernels MKL / oneDNN pick for fp32 and bf16 matmuls.
-ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16",
-             "amx_tile", "amx_bf16", "amx_int8")
-
-
-def cpu_info() -> dict:
-    """The CPU a result was measured on: model name, the matmul-relevant instruction sets, and the
-    kernel level torch dispatches to (results do not carry over between CPUs)."""
-    import torch
-
-    fields = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                fields.setdefault(key.strip(), value.strip())  # the first core's
-    except OSError:
-        pass
-    model, flags = fields.get("model name") or platform.processor() or "unknown", set(fields.get("flags", "").split())
-    return {"model_name": model, "isa": [f for f in ISA_FLAGS if f in flags], "cores": os.cpu_count(),
-            "torch": torch.__version__, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "mkl": torch.backends.mkl.is_available(), "mkldnn": torch.backends.mkldnn.is_available()}
 
 
 def whole_run(per_step: List[float]) -> dict:

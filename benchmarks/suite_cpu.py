@@ -24,12 +24,14 @@ import collections
 import ctypes
 import json
 import os
-import platform
 import struct
 import subprocess
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # sibling modules, also when loaded by path
+from machine import cpu_model  # noqa: E402
 
 # struct acct_v3 (linux/acct.h): flag, version, tty, exitcode, uid, gid, pid, ppid, btime, etime
 # (float), utime, stime, mem, io, rw, minflt, majflt, swaps (comp_t: 13-bit mantissa, base-8 exponent,
@@ -72,14 +74,6 @@ def charge_to_tests(records: list, starts: dict) -> dict:
         i = bisect.bisect_right(times, r["start"] + 0.999) - 1  # acct start times are whole seconds
         charged[starts[pid][i][1] if pid in starts and i >= 0 else "(not under a test)"] += r["cpu"]
     return charged
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.machine()
 
 
 def _cpu_split() -> list:
@@ -133,7 +127,7 @@ def main() -> int:
         by_name[r["comm"]][0] += 1
         by_name[r["comm"]][1] += r["cpu"]
     result = {
-        "date": time.strftime("%Y-%m-%d %H:%M"), "cpu": _cpu_model(),
+        "date": time.strftime("%Y-%m-%d %H:%M"), "cpu": cpu_model(),
         "cores": os.cpu_count(), "pytest_exit_code": code, "wall_s": round(wall, 1), "machine_cpu_s": split,
         "processes": len(records), "process_cpu_s": round(sum(r["cpu"] for r in records), 1),
         "by_process_name": {k: {"processes": n, "cpu_s": round(c, 1)}
