@@ -21,6 +21,10 @@ Modes, on one engine (vLLM by default, `--backend hf` for transformers) and the 
     engine (the one whose own turns and tool calls take longest when run by itself). No schedule
     can finish the work sooner than its turns one after another, so `critical_s / batched_s` is the
     lowest ratio any request-level scheduler could reach on this work on this machine.
+`--trace-steps` (vLLM) records every engine step's seconds and the rows and tokens scheduled into it,
+each run's totals (`runs[].trace`) and a least-squares fit over all steps of the step-cost model
+seconds = fixed + per prefill token x (tokens - rows) + per row x rows (`step_cost_model`): what a step
+costs on this machine, from which a bound on the work follows (docs/benchmarks.md).
 Every run (warm-up and bound included) starts from an empty prefix cache, so each mode prefills the same
 tokens whatever ran before it on the engine. All run `--repeats` times, interleaved (batched, async, critical, critical, async, batched, ...) after
 one warm-up of each; the result is the median wall time per mode and the ratio async / batched
@@ -83,8 +87,10 @@ def build_engine(args, work: list[dict]):
         # would depend on what ran before it.
         if args.backend == "vllm" and backend.llm.reset_prefix_cache() is False:
             raise RuntimeError("vLLM refused to reset its prefix cache between runs")
-        return make_core(backend, sampling)
+        core = make_core(backend, sampling)
+        return new_core.trace.wrap(core) if new_core.trace is not None else core
 
+    new_core.trace = StepTrace(backend) if args.trace_steps and args.backend == "vllm" else None
     return new_core
 
 
@@ -170,6 +176,45 @@ def critical_conversation(new_core, work, executor, call, tool_ids, latency_s: f
     return max(times, key=times.get)
 
 
+class StepTrace:
+    """Every engine step of a run (vLLM only): its seconds and the rows and tokens the scheduler put
+    into it, through a hook on this engine's scheduler instance (bench instrumentation, nothing global).
+    `fit` gives the step-cost model seconds = fixed + per_prefill_token x (tokens - rows) + per_row x rows
+    over the steps traced: what a step costs on this machine, from which a bound on the work follows."""
+
+    def __init__(self, backend):
+        scheduler = backend.llm.llm_engine.engine_core.engine_core.scheduler
+        schedule, self._last, self.steps = scheduler.schedule, (0, 0), []
+
+        def hooked(*args, **kwargs):
+            out = schedule(*args, **kwargs)
+            self._last = (len(out.num_scheduled_tokens), out.total_num_scheduled_tokens)
+            return out
+
+        scheduler.schedule = hooked
+
+    def wrap(self, core):
+        step = core.step
+
+        def timed():
+            start = time.perf_counter()
+            out = step()
+            self.steps.append((time.perf_counter() - start, *self._last))
+            return out
+
+        core.step = timed
+        return core
+
+    @staticmethod
+    def fit(steps: list) -> dict:
+        t = np.asarray(steps, dtype=float)
+        seconds, rows, tokens = t[:, 0], t[:, 1], t[:, 2]
+        design = np.stack([np.ones_like(rows), tokens - rows, rows], axis=1)
+        fixed, per_token, per_row = np.linalg.lstsq(design, seconds, rcond=None)[0]
+        return {"fixed_s": float(fixed), "per_prefill_token_s": float(per_token), "per_row_s": float(per_row),
+                "steps": len(t)}
+
+
 def run_mode(mode: str, new_core, work, executor, call, tool_ids) -> dict:
     from ballast.workers.rollout.async_engine import AsyncEngine
 
@@ -181,8 +226,15 @@ def run_mode(mode: str, new_core, work, executor, call, tool_ids) -> dict:
             lengths = await play(engine, work, executor, call, tool_ids)
             return time.perf_counter() - start, lengths, engine.steps
 
+    trace = getattr(new_core, "trace", None)
+    first = len(trace.steps) if trace is not None else 0
     seconds, lengths, steps = asyncio.run(main())
-    return {"mode": mode, "seconds": seconds, "response_tokens": int(sum(lengths)), "engine_steps": steps}
+    out = {"mode": mode, "seconds": seconds, "response_tokens": int(sum(lengths)), "engine_steps": steps}
+    if trace is not None:
+        mine = trace.steps[first:]
+        out["trace"] = {"step_seconds": sum(s for s, _, _ in mine), "rows": sum(r for _, r, _ in mine),
+                        "tokens": sum(k for _, _, k in mine)}
+    return out
 
 
 def main() -> None:
@@ -198,6 +250,8 @@ def main() -> None:
                    help="warm each mode up on the first N conversations only (0: the whole work)")
     p.add_argument("--critical-candidates", type=int, default=0,
                    help="time only the N conversations a cost estimate ranks longest for the bound (0: all)")
+    p.add_argument("--trace-steps", action="store_true",
+                   help="vLLM: record every engine step's seconds, rows and tokens and fit the step-cost model")
     p.add_argument("--conversations", type=int, default=32)
     p.add_argument("--min-calls", type=int, default=4)
     p.add_argument("--max-calls", type=int, default=8)
@@ -245,11 +299,13 @@ def main() -> None:
         "paired_ratios": [a["seconds"] / b["seconds"] for a, b in zip(runs["async"], runs["batched"])],
         "runs": runs,
     }
+    if new_core.trace is not None:  # the timed runs' steps (warm-up and bound search included: same engine)
+        result["step_cost_model"] = StepTrace.fit(new_core.trace.steps)
     for mode in ("async", "batched"):  # the same work in both modes
         assert all(r["response_tokens"] == sampled + calls * args.tool_tokens for r in runs[mode]), mode
     print(json.dumps({k: result[k] for k in ("work", "critical_conversation", "async_s", "batched_s", "critical_s",
                                              "ratio_async_vs_batched", "ratio_bound_critical_vs_batched",
-                                             "paired_ratios")}, indent=1))
+                                             "paired_ratios", "step_cost_model") if k in result}, indent=1))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -17,6 +17,8 @@ drifts between minutes, so each shape is timed next to a fresh peak measurement)
 * **memory bandwidth**: one thread reading (sum) and copying 256 MB. A decode step reads every weight
   once; AdamW reads parameters, gradients and both moments and writes three of them (28 bytes a
   parameter in fp32), so `adamw_floor_s` = that traffic / the copy bandwidth.
+* **gradient all-reduce** (`--allreduce`): two gloo processes, one thread each, all-reducing the
+  model's parameter count of fp32 gradients in DDP's 25 MB buckets (`allreduce_s`).
 
 The products are torch's (MKL / oneDNN as torch dispatches them, what the training engine runs);
 vLLM's CPU path prepacks its weights for oneDNN, which at decode widths is within ~15% of these.
@@ -148,6 +150,47 @@ def bandwidth(repeats: int) -> dict:
     return out
 
 
+def _allreduce_rank(rank: int, world: int, port: int, numel: int, bucket: int, repeats: int, out) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    grads, times = torch.randn(numel), []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        for offset in range(0, numel, bucket):
+            dist.all_reduce(grads[offset:offset + bucket])
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+    if rank == 0:
+        out.put(statistics.median(times))
+    dist.destroy_process_group()
+
+
+def allreduce_seconds(params: int, world: int = 2, bucket_mb: int = 25, repeats: int = 4) -> float:
+    """Median seconds for `world` gloo processes (one thread each) to all-reduce `params` fp32 gradients
+    in DDP's default 25 MB buckets: the gradient reduction of a whole-replica (DDP) update."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_allreduce_rank, args=(r, world, port, params, bucket_mb * (1 << 20) // 4, repeats, out))
+             for r in range(world)]
+    for proc in procs:
+        proc.start()
+    seconds = out.get(timeout=600)
+    for proc in procs:
+        proc.join()
+    print(f"all-reduce of {4 * params / 1e6:.0f} MB over {world} gloo processes: {seconds:.3f} s", flush=True)
+    return seconds
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-dir", required=True, help="a Hugging Face model directory (its config.json)")
@@ -156,6 +199,8 @@ def main() -> None:
     p.add_argument("--decode-widths", default="1,16,32")
     p.add_argument("--seconds", type=float, default=0.5, help="timing window per measurement")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per training product")
+    p.add_argument("--allreduce", action="store_true",
+                   help="also time two gloo processes all-reducing the model's gradients (DDP's 25 MB buckets)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -168,6 +213,8 @@ def main() -> None:
     result["training"] = training_gemms(shapes, layers, args.tokens, args.head_tokens or args.tokens,
                                         args.seconds, args.rounds)
     result["adamw_floor_s"] = 28.0 * params / (result["bandwidth"]["copy_gb_per_s"] * 1e9)
+    if args.allreduce:
+        result["allreduce_s"] = allreduce_seconds(params)
     result["machine"]["load_avg_end"] = os.getloadavg()
     print(f"training GEMMs at {result['training']['train_efficiency']:.2f} of the peak (FLOP-weighted); "
           f"AdamW floor {result['adamw_floor_s']:.2f} s for {params / 1e6:.0f} M parameters", flush=True)
