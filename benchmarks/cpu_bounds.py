@@ -20,8 +20,10 @@ drifts between minutes, so each shape is timed next to a fresh peak measurement)
 * **gradient all-reduce** (`--allreduce`): two gloo processes, one thread each, all-reducing the
   model's parameter count of fp32 gradients in DDP's 25 MB buckets (`allreduce_s`).
 
-The products are torch's (MKL / oneDNN as torch dispatches them, what the training engine runs);
-vLLM's CPU path prepacks its weights for oneDNN, which at decode widths is within ~15% of these.
+The products are torch's (MKL / oneDNN as torch dispatches them, what the training engine runs).
+vLLM's CPU path runs prepacked oneDNN GEMMs instead: in isolation up to ~1.8x faster than torch's at
+8-32 rows for the smaller layers, slightly slower at one row; a whole vLLM decode step costs about
+what these passes do (docs/benchmarks.md).
 Prints one line per measurement, then JSON with `--json`.
 """
 
