@@ -42,6 +42,8 @@ from .base import RolloutConfig, SamplingConfig, resolve_special_tokens, samplin
 from .calls import close_call, open_call
 from .single_device_tp import peer_all_reduce_env, peer_all_reduce_kwargs, tp_peers_hidden
 from .vllm_lora import adapter_request, architecture_serves_lora, install_adapter, lora_engine_kwargs, vllm_lora_rank
+from .vllm_cpu_norm import PRIORITY as CPU_NORM_PRIORITY
+from .vllm_cpu_norm import register as register_cpu_norm
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
@@ -56,9 +58,11 @@ def _cpu_kv_cache_bytes(config: RolloutConfig) -> int:
     return DEFAULT_CPU_KV_CACHE_BYTES
 
 
-def engine_kwargs(config: RolloutConfig, distributed: bool, serve_lora: bool = False) -> dict:
+def engine_kwargs(config: RolloutConfig, distributed: bool, serve_lora: bool = False,
+                  cpu_norm_kernels: bool = False) -> dict:
     """Keyword arguments for `vllm.LLM` derived from `config` (pure; tested without vLLM). `serve_lora`:
-    the engine serves an adapter of rank <= `config.max_lora_rank` (`vllm_lora`)."""
+    the engine serves an adapter of rank <= `config.max_lora_rank` (`vllm_lora`). `cpu_norm_kernels`:
+    `vllm_cpu_norm.register()` succeeded, so a CPU engine runs RMSNorm in vLLM's C++ kernels."""
     on_gpu = config.resolved_device() == "cuda"
     kwargs = dict(
         model=config.model_path,
@@ -87,6 +91,8 @@ def engine_kwargs(config: RolloutConfig, distributed: bool, serve_lora: bool = F
     else:
         # Always explicit on CPU: without it vLLM reserves gpu_memory_utilization x host RAM.
         kwargs["kv_cache_memory_bytes"] = _cpu_kv_cache_bytes(config)
+        if cpu_norm_kernels:
+            kwargs["ir_op_priority"] = {op: list(order) for op, order in CPU_NORM_PRIORITY.items()}
     return kwargs
 
 
@@ -164,8 +170,9 @@ class VLLMBackend:
 
             install()  # vLLM's CPU LoRA ops copy the adapter per token; see vllm_cpu_lora_ops
         self._adapter_id = 0  # the installed adapter's id; 0: none yet (the base model is served)
+        cpu_norm = not self.on_gpu and register_cpu_norm()  # see vllm_cpu_norm
         with _PreservedGlobalRNG():
-            self.llm = LLM(**engine_kwargs(config, self.distributed, self._serve_lora))
+            self.llm = LLM(**engine_kwargs(config, self.distributed, self._serve_lora, cpu_norm))
         gc.unfreeze()
         self.eos_token_ids, self.pad_token_id = resolve_special_tokens(config)
         model_config = self.llm.llm_engine.model_config
