@@ -33,6 +33,21 @@ def test_rms_norm_matches_native(ops, rows):
                                rms.impls["native"].impl_fn(strided, w, 1e-5), rtol=1e-5, atol=1e-5)
 
 
+def test_half_precision_engines_get_the_kernels_too(ops):
+    rms, fused = ops
+    gen = torch.Generator().manual_seed(5)
+    for dtype in (torch.bfloat16, torch.float16):
+        x, res = torch.randn(16, 576, generator=gen).to(dtype), torch.randn(16, 576, generator=gen).to(dtype)
+        w = torch.randn(576, generator=gen).to(dtype)
+        ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10  # one rounding step, relative
+        torch.testing.assert_close(rms.impls[PROVIDER].impl_fn(x, w, 1e-5), rms.impls["native"].impl_fn(x, w, 1e-5),
+                                   rtol=ulp, atol=ulp)
+        out, new_res = fused.impls[PROVIDER].impl_fn(x.clone(), res.clone(), w, 1e-5)
+        want_out, want_res = fused.impls["native"].impl_fn(x.clone(), res.clone(), w, 1e-5)
+        torch.testing.assert_close(out, want_out, rtol=ulp, atol=ulp)
+        torch.testing.assert_close(new_res, want_res, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("rows", [1, 16])
 def test_fused_add_rms_norm_matches_native_in_place(ops, rows):
     _, fused = ops
