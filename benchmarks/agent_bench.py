@@ -226,7 +226,7 @@ def run_mode(mode: str, new_core, work, executor, call, tool_ids) -> dict:
             lengths = await play(engine, work, executor, call, tool_ids)
             return time.perf_counter() - start, lengths, engine.steps
 
-    trace = getattr(new_core, "trace", None)
+    trace = new_core.trace
     first = len(trace.steps) if trace is not None else 0
     seconds, lengths, steps = asyncio.run(main())
     out = {"mode": mode, "seconds": seconds, "response_tokens": int(sum(lengths)), "engine_steps": steps}

@@ -97,12 +97,13 @@ def training_gemms(shapes: dict, layers: int, tokens: int, head_tokens: int, sec
                                          "efficiency": r / p, "calls_per_update": count}
             print(f"{name:8s} {product:12s} [{t}x{inp}]x[{inp}x{out}] {r / 1e9:6.1f} GFLOP/s  "
                   f"peak {p / 1e9:6.1f}  efficiency {r / p:.2f}", flush=True)
-    def flops(v: dict) -> float:
+
+    def update_flops(v: dict) -> float:  # one product's FLOPs over all its layers
         return v["calls_per_update"] * 2.0 * v["shape"][0] * v["shape"][1] * v["shape"][2]
 
-    seconds_at_rate = sum(flops(v) / (v["gflops"] * 1e9) for v in rows.values())
-    seconds_at_peak = sum(flops(v) / (v["peak_gflops"] * 1e9) for v in rows.values())
-    return {"products": rows, "matmul_gflop_per_micro_batch": sum(flops(v) for v in rows.values()) / 1e9,
+    seconds_at_rate = sum(update_flops(v) / (v["gflops"] * 1e9) for v in rows.values())
+    seconds_at_peak = sum(update_flops(v) / (v["peak_gflops"] * 1e9) for v in rows.values())
+    return {"products": rows, "matmul_gflop_per_micro_batch": sum(update_flops(v) for v in rows.values()) / 1e9,
             "seconds_at_measured_rates": seconds_at_rate, "seconds_at_peak": seconds_at_peak,
             "train_efficiency": seconds_at_peak / seconds_at_rate}
 

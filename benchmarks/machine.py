@@ -30,9 +30,13 @@ def _cpuinfo_fields(path: str = "/proc/cpuinfo") -> dict:
     return fields
 
 
+def _model_name(fields: dict) -> str:
+    return fields.get("model name") or platform.processor() or platform.machine() or "unknown"
+
+
 def cpu_model() -> str:
     """The CPU's model name (what `lscpu` prints), or the architecture where /proc is absent."""
-    return _cpuinfo_fields().get("model name") or platform.processor() or platform.machine()
+    return _model_name(_cpuinfo_fields())
 
 
 def cpu_info() -> dict:
@@ -41,7 +45,7 @@ def cpu_info() -> dict:
 
     fields = _cpuinfo_fields()
     flags = set(fields.get("flags", "").split())
-    return {"model_name": fields.get("model name") or platform.processor() or "unknown",
+    return {"model_name": _model_name(fields),
             "isa": [f for f in ISA_FLAGS if f in flags], "cores": os.cpu_count(),
             "torch": torch.__version__, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "mkl": torch.backends.mkl.is_available(), "mkldnn": torch.backends.mkldnn.is_available()}
