@@ -17,7 +17,8 @@ Same work on both sides: same model files, prompt rows (first rows of the parque
 reward function, samples per step, max new tokens, optimizer steps per step, lr, AdamW weight decay
 and grad clip, constant schedule, no KL, sampling temperature 1 without top-k/top-p. Ballast runs
 `--workers` CPU worker processes with one thread each (`python -m ballast.trainer.main`, as a user
-runs it); TRL runs in one process with `torch.set_num_threads(workers)`, so both use the same cores.
+runs it; `--threads-per-worker T`: workers / T processes of T threads, `trainer.cpus_per_worker=T`);
+TRL runs in one process with `torch.set_num_threads(workers)`, so both use the same cores.
 
 LoRA (`--lora RANK`): each repeat also runs Ballast with a rank-RANK, alpha-2xRANK all-linear adapter
 (variant `lora`, adapter-only weight sync into vLLM, the weight-sync check on) and, with TRL in
@@ -143,7 +144,7 @@ def _env(tmp: str, root: str = ROOT) -> Dict[str, str]:
     return env
 
 
-def ballast_overrides(case: Case, steps: int, workers: int, out_dir: str) -> List[str]:
+def ballast_overrides(case: Case, steps: int, workers: int, out_dir: str, threads_per_worker: int = 1) -> List[str]:
     mini = case.prompts_per_step // case.optimizer_steps_per_step
     overrides = [
         f"data.train_files={case.train_file}", "data.val_files=null", "data.shuffle=false",
@@ -154,7 +155,8 @@ def ballast_overrides(case: Case, steps: int, workers: int, out_dir: str) -> Lis
         f"actor_rollout_ref.actor.optim.lr={case.lr}", "actor_rollout_ref.actor.use_kl_loss=false",
         f"actor_rollout_ref.rollout.n={case.samples_per_prompt}", "actor_rollout_ref.rollout.temperature=1.0",
         "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false",
-        "trainer.device=cpu", "trainer.nnodes=1", f"trainer.n_gpus_per_node={workers}",
+        "trainer.device=cpu", "trainer.nnodes=1", f"trainer.n_gpus_per_node={workers // threads_per_worker}",
+        f"trainer.cpus_per_worker={threads_per_worker}",
         f"trainer.total_training_steps={steps}", "trainer.test_freq=-1", "trainer.val_before_train=false",
         "trainer.save_freq=-1", "trainer.resume_mode=disable", "trainer.logger=[jsonl]",
         f"trainer.default_local_dir={out_dir}",
@@ -172,14 +174,14 @@ def ballast_overrides(case: Case, steps: int, workers: int, out_dir: str) -> Lis
 
 
 def run_ballast(case: Case, warmup: int, steps: int, workers: int, overrides: List[str], log_dir: str,
-                tail: int = 0) -> dict:
+                tail: int = 0, threads_per_worker: int = 1) -> dict:
     # "@PATH" runs the Ballast source tree at PATH (e.g. an export of an older commit) for an A/B.
     root = next((o[1:] for o in overrides if o.startswith("@")), ROOT)
     overrides = [o for o in overrides if not o.startswith("@")]
     with tempfile.TemporaryDirectory(prefix="step_bench_") as tmp:
         out_dir = os.path.join(tmp, "run")
         cmd = [sys.executable, "-m", "ballast.trainer.main", "--config-name", "quickstart",
-               *ballast_overrides(case, warmup + steps + tail, workers, out_dir), *overrides]
+               *ballast_overrides(case, warmup + steps + tail, workers, out_dir, threads_per_worker), *overrides]
         log = os.path.join(log_dir, f"ballast_{case.name}_{int(time.time())}.log")
         start = time.perf_counter()
         with open(log, "w") as f:
@@ -466,7 +468,9 @@ def main() -> None:
                    help="run each case for a whole run (quickstart 120 steps, real --real-whole-run-steps); the "
                         "window is still the steps after --warmup, `whole_run` covers every step")
     p.add_argument("--real-whole-run-steps", type=int, default=30)
-    p.add_argument("--workers", type=int, default=2, help="Ballast CPU workers (1 thread each) = TRL's threads")
+    p.add_argument("--workers", type=int, default=2, help="Ballast's CPU cores (workers of 1 thread each) = TRL's threads")
+    p.add_argument("--threads-per-worker", type=int, default=1,
+                   help="Ballast runs --workers / this many worker processes of this many threads each")
     p.add_argument("--trl-threads", type=int, help="TRL's torch threads (default: --workers, the same cores)")
     p.add_argument("--variant", action="append", default=[],
                    help="NAME=hydra.override,other.override[,@SOURCE_TREE]: an extra Ballast configuration")
@@ -491,6 +495,8 @@ def main() -> None:
     args = p.parse_args()
     if args._trl:
         return trl_main(Case(**json.loads(args._trl)), args.warmup, args.steps, args.workers, args._result)
+    if args.threads_per_worker < 1 or args.workers % args.threads_per_worker:
+        p.error(f"--threads-per-worker {args.threads_per_worker} must be >= 1 and divide --workers {args.workers}")
     os.makedirs(args.log_dir, exist_ok=True)
     variants = {"default": []}
     if args.lora:  # the case's lr is only known per case: "{lr}" is filled in below
@@ -506,7 +512,7 @@ def main() -> None:
     result = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_avg_start": os.getloadavg(),
                           "cpu": cpu_info()},
               "matmul_peak_flops_per_thread": peak_1, "matmul_peak_flops_total": peak_total,
-              "workers": args.workers, "trl_threads": args.trl_threads or args.workers, "warmup": args.warmup, "steps": args.steps, "cases": [], "skipped": []}
+              "workers": args.workers, "threads_per_worker": args.threads_per_worker, "trl_threads": args.trl_threads or args.workers, "warmup": args.warmup, "steps": args.steps, "cases": [], "skipped": []}
     for case in build_cases(args):
         if case.name == "quickstart":
             ensure_quickstart()
@@ -532,7 +538,7 @@ def main() -> None:
                     try:
                         peak = matmul_peak_flops(1) * args.workers
                         r = run_ballast(case, args.warmup, steps, args.workers, overrides, args.log_dir,
-                                        args.tail_steps)
+                                        args.tail_steps, args.threads_per_worker)
                         r["peak_flops_total"] = peak
                     except RuntimeError as err:  # e.g. killed by a memory-starved shared machine
                         print(f"[{case.name}] ballast/{name} rep {rep} FAILED: {err}", flush=True)

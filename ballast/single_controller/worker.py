@@ -112,9 +112,10 @@ class Worker:
     # -- used by the worker group ------------------------------------------------------------
     def _ballast_node_info(self) -> Dict[str, object]:
         import ray
+        import torch
 
         return {"ip": ray.util.get_node_ip_address(), "port": _free_port(), "pid": os.getpid(),
-                "node_id": ray.get_runtime_context().get_node_id()}
+                "node_id": ray.get_runtime_context().get_node_id(), "threads": torch.get_num_threads()}
 
     def _ballast_set_master(self, addr: str, port: int) -> None:
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)

@@ -255,7 +255,8 @@ class RayWorkerGroup:
         return None
 
     def placement(self) -> List[Dict[str, Any]]:
-        """Where each worker runs, in rank order: `ip`, `pid`, `node_id` (and a free `port` on its node)."""
+        """Where each worker runs, in rank order: `ip`, `pid`, `node_id`, its torch `threads` (and a free
+        `port` on its node)."""
         return self.execute_all("_ballast_node_info")
 
     def execute_all(self, method: str, *args, **kwargs) -> List[Any]:

@@ -17,11 +17,14 @@ MONITOR = re.compile(r"DynamicBatchMonitor: dp_rank_[01] - avg_tokens=\d+, max_t
 def test_grpo_run_trains_and_reports_every_metric(session, tmp_path, capfd):
     extra = ["trainer.balance_keep_groups=True", "trainer.enable_monitor=True", "trainer.monitor_interval=2",
              "actor_rollout_ref.actor.dynamic_bsz_bucketing=True", "actor_rollout_ref.actor.bucket_boundaries=[16,24]",
-             "actor_rollout_ref.actor.grad_clip_adaptive=True", "actor_rollout_ref.actor.grad_clip_min_batch_size=16"]
+             "actor_rollout_ref.actor.grad_clip_adaptive=True", "actor_rollout_ref.actor.grad_clip_min_batch_size=16",
+             "trainer.cpus_per_worker=2"]
     with session("grpo", *extra) as trainer:
         before = trainer.workers.actor_rollout.actor_state_fingerprint()[0]
         metrics = trainer.fit()
         after = trainer.workers.actor_rollout.actor_state_fingerprint()[0]
+        # each worker kept its two threads through the vLLM engine's start-up and the steps
+        assert [p["threads"] for p in trainer.workers.actor_rollout.placement()] == [2, 2]
     assert_finite(metrics, STEP_METRICS + ["perf/micro_batch_tokens/avg", "perf/micro_batch_tokens/max",
                                         "perf/micro_batch_tokens/min", "balance/rank_0/tokens", "balance/rank_1/tokens"])
     # adaptive clipping: 8 samples per mini-batch < grad_clip_min_batch_size=16 halves grad_clip=1.0

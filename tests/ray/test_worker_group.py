@@ -49,6 +49,7 @@ def test_group_layout_env_and_one_to_all(echo):
     assert len({i["master"] for i in infos}) == 1 and infos[0]["master"][1] == str(echo.master_port)
     assert len({i["pid"] for i in infos}) == 4
     assert all(i["threads"] == 1 for i in infos)  # pinned so 2 cores are not oversubscribed
+    assert [p["threads"] for p in echo.placement()] == [1, 1, 1, 1]
     from ballast.single_controller.worker_group import CPU_MALLOC_ENV
 
     assert all(i["malloc"] == CPU_MALLOC_ENV for i in infos)  # CPU workers keep freed memory (glibc)
@@ -145,4 +146,26 @@ def test_killed_worker_is_reported_not_waited_on(ray_session):
             group.die_on(1)
     finally:
         group.kill()
+        pool.remove()
+
+
+def test_a_worker_given_two_cpus_runs_two_threads_and_a_half_share_one(ray_session):
+    from toy_workers import EchoWorker
+
+    pool = ResourcePool([1], use_gpu=False, cpus_per_process=2.0, name="wide")
+    try:
+        whole = RayWorkerGroup(pool, EchoWorker, name="whole", timeout_s=120)
+        try:
+            assert [i["threads"] for i in whole.whoami()] == [2]
+            assert [p["threads"] for p in whole.placement()] == [2]
+        finally:
+            whole.kill()
+        # two groups sharing the slot (actor and critic) split its CPUs
+        halves = [RayWorkerGroup(pool, EchoWorker, name=f"half{k}", device_share=0.5, timeout_s=120) for k in (0, 1)]
+        try:
+            assert [[i["threads"] for i in g.whoami()] for g in halves] == [[1], [1]]
+        finally:
+            for g in halves:
+                g.kill()
+    finally:
         pool.remove()

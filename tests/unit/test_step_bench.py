@@ -32,3 +32,13 @@ def test_the_bench_config_loads_and_bf16_reaches_the_actor_and_the_rollout(tmp_p
             assert role_precision(cfg, "actor") == ("bf16" if bf16 else "auto")
             assert cfg.actor_rollout_ref.rollout.dtype == ("bfloat16" if bf16 else "auto")
             assert cfg.data.train_batch_size == case.prompts_per_step
+
+
+def test_threads_per_worker_keeps_the_cores_and_moves_them_into_each_process(tmp_path):
+    for case in _cases(False):
+        for threads, processes in ((1, 2), (2, 1)):
+            cfg = load_config(step_bench.ballast_overrides(case, steps=4, workers=2, out_dir=str(tmp_path / "run"),
+                                                           threads_per_worker=threads))
+            t = cfg.trainer
+            assert (t.n_gpus_per_node, t.cpus_per_worker) == (processes, threads)
+            assert t.n_gpus_per_node * t.cpus_per_worker == 2  # the cores TRL gets

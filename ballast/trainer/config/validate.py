@@ -96,6 +96,7 @@ def _check_ranges(cfg: BallastConfig) -> None:
         ("data.max_response_length", data.max_response_length), ("actor_rollout_ref.rollout.n", rollout.n),
         ("actor_rollout_ref.actor.ppo_epochs", actor.ppo_epochs), ("critic.ppo_epochs", cfg.critic.ppo_epochs),
         ("trainer.nnodes", t.nnodes), ("trainer.n_gpus_per_node", t.n_gpus_per_node),
+        ("trainer.cpus_per_worker", t.cpus_per_worker),
         ("trainer.total_epochs", t.total_epochs), ("trainer.monitor_interval", t.monitor_interval),
         ("actor_rollout_ref.actor.grad_clip_min_batch_size", actor.grad_clip_min_batch_size),
         ("trainer.max_consecutive_nonfinite_steps", t.max_consecutive_nonfinite_steps),

@@ -143,7 +143,14 @@ def _start_local(cfg: BallastConfig, quiet: dict) -> RaySession:
     processes = t.nnodes * t.n_gpus_per_node
     if split_pools(cfg):  # the rollout pool's processes come on top
         processes += rollout_world_size(cfg)
-    num_cpus = r.num_cpus or max(os.cpu_count() or 1, processes)
+    cores = os.cpu_count() or 1
+    # Every worker reserves cpus_per_worker CPUs; more processes than cores still start (the tests run
+    # 4 workers on 2 cores), but threads beyond the cores only slow each other down: say so.
+    wanted = processes * t.cpus_per_worker
+    if wanted > cores and t.cpus_per_worker > 1 and not r.num_cpus:
+        print(f"ballast: {processes} worker(s) x trainer.cpus_per_worker={t.cpus_per_worker} = {wanted} threads on "
+              f"{cores} cores: oversubscribed (lower trainer.cpus_per_worker or trainer.n_gpus_per_node)", flush=True)
+    num_cpus = r.num_cpus or max(cores, wanted)
     temp_dir = tempfile.mkdtemp(prefix="ray_", dir=ray_temp_root())
     session = RaySession(connected=True, temp_dir=temp_dir, watchdog=_start_watchdog(temp_dir))
     print(f"ballast: local Ray session in {temp_dir} (removed at exit)", flush=True)

@@ -78,7 +78,7 @@ class Workers:
 def create_workers(cfg: BallastConfig, sizes: DerivedSizes, specs: WorkerSpecs) -> Workers:
     t = cfg.trainer
     use_gpu = t.device == "cuda" or (t.device == "auto" and _cuda_available())
-    pool = ResourcePool([t.n_gpus_per_node] * t.nnodes, use_gpu=use_gpu, cpus_per_process=1.0,
+    pool = ResourcePool([t.n_gpus_per_node] * t.nnodes, use_gpu=use_gpu, cpus_per_process=float(t.cpus_per_worker),
                         name=f"ballast_{os.getpid()}", ready_timeout_s=cfg.ray_init.timeout_s)
     workers: Optional[Workers] = None
     try:
@@ -102,7 +102,8 @@ def create_workers(cfg: BallastConfig, sizes: DerivedSizes, specs: WorkerSpecs) 
         if specs.rollout is not None:
             r = cfg.actor_rollout_ref.rollout
             workers.rollout_pool = ResourcePool([r.n_gpus_per_node] * r.nnodes, use_gpu=use_gpu,
-                                                cpus_per_process=1.0, name=f"ballast_rollout_{os.getpid()}",
+                                                cpus_per_process=float(t.cpus_per_worker),
+                                                name=f"ballast_rollout_{os.getpid()}",
                                                 ready_timeout_s=cfg.ray_init.timeout_s)
             workers.rollout = RayWorkerGroup(workers.rollout_pool, ActorRolloutRefWorker, init_args=(specs.rollout,),
                                              name="rollout", env=env, timeout_s=t.worker_timeout_s, log_dir=logs)

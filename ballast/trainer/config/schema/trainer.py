@@ -53,6 +53,10 @@ class TrainerConfig:
     """Nodes of the run."""
     n_gpus_per_node: int
     """Workers per node (GPUs; on CPU, worker processes)."""
+    cpus_per_worker: int
+    """CPU cores Ray reserves for each worker process, and its torch/OpenMP threads. On a CPU run the
+    cores can go to more processes or to more threads each: one worker of 2 threads needs no gradient
+    all-reduce and its vLLM engine reads the weights once per decode step for all its rows."""
     total_epochs: int
     """Passes over the training prompts."""
     total_training_steps: Optional[int]
