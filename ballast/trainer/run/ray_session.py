@@ -136,6 +136,20 @@ def start_ray(cfg: BallastConfig) -> RaySession:
     return _start_local(cfg, quiet)
 
 
+def local_num_cpus(processes: int, cpus_per_worker: int, cores: int, num_cpus: Optional[int]) -> Tuple[int, str]:
+    """(CPUs a local Ray instance gets, a warning or ""). `ray_init.num_cpus` wins; otherwise every
+    worker's `cpus_per_worker` must fit, and more processes than cores still start (the tests run 4
+    workers on 2 cores), but threads beyond the cores only slow each other down: that is said."""
+    if num_cpus:
+        return num_cpus, ""
+    wanted = processes * cpus_per_worker
+    warning = ""
+    if wanted > cores and cpus_per_worker > 1:
+        warning = (f"{processes} worker(s) x trainer.cpus_per_worker={cpus_per_worker} = {wanted} threads on {cores} "
+                   "cores: oversubscribed (lower trainer.cpus_per_worker or trainer.n_gpus_per_node)")
+    return max(cores, wanted), warning
+
+
 def _start_local(cfg: BallastConfig, quiet: dict) -> RaySession:
     import ray
 
@@ -143,14 +157,9 @@ def _start_local(cfg: BallastConfig, quiet: dict) -> RaySession:
     processes = t.nnodes * t.n_gpus_per_node
     if split_pools(cfg):  # the rollout pool's processes come on top
         processes += rollout_world_size(cfg)
-    cores = os.cpu_count() or 1
-    # Every worker reserves cpus_per_worker CPUs; more processes than cores still start (the tests run
-    # 4 workers on 2 cores), but threads beyond the cores only slow each other down: say so.
-    wanted = processes * t.cpus_per_worker
-    if wanted > cores and t.cpus_per_worker > 1 and not r.num_cpus:
-        print(f"ballast: {processes} worker(s) x trainer.cpus_per_worker={t.cpus_per_worker} = {wanted} threads on "
-              f"{cores} cores: oversubscribed (lower trainer.cpus_per_worker or trainer.n_gpus_per_node)", flush=True)
-    num_cpus = r.num_cpus or max(cores, wanted)
+    num_cpus, warning = local_num_cpus(processes, t.cpus_per_worker, os.cpu_count() or 1, r.num_cpus)
+    if warning:
+        print(f"ballast: {warning}", flush=True)
     temp_dir = tempfile.mkdtemp(prefix="ray_", dir=ray_temp_root())
     session = RaySession(connected=True, temp_dir=temp_dir, watchdog=_start_watchdog(temp_dir))
     print(f"ballast: local Ray session in {temp_dir} (removed at exit)", flush=True)

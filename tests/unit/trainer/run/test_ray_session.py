@@ -140,3 +140,14 @@ def test_processes_using_ignores_others_and_end_processes_escalates_to_sigkill(t
     finally:
         stubborn.kill()
         stubborn.wait()
+
+
+def test_a_local_ray_gets_every_workers_cpus_and_oversubscribed_threads_are_said():
+    from ballast.trainer.run.ray_session import local_num_cpus
+
+    assert local_num_cpus(2, 1, 2, None) == (2, "")
+    assert local_num_cpus(4, 1, 2, None) == (4, "")  # more 1-thread processes than cores: allowed, quiet
+    assert local_num_cpus(1, 2, 2, None) == (2, "")
+    cpus, warning = local_num_cpus(2, 2, 2, None)
+    assert cpus == 4 and "trainer.cpus_per_worker=2 = 4 threads on 2 cores" in warning
+    assert local_num_cpus(2, 2, 2, 16) == (16, "")  # ray_init.num_cpus is the user's word
