@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import os
 import platform
@@ -507,6 +508,10 @@ def main() -> None:
         name, _, rest = spec.partition("=")
         variants[name] = [o for o in rest.split(",") if o]
     systems = args.systems.split(",")
+    if "trl" in systems and importlib.util.find_spec("trl") is None:
+        # Checked before any run: otherwise the Ballast runs take minutes and every TRL run then fails.
+        p.error("--systems includes trl, which is not installed: bash scripts/setup.sh --bench "
+                "(or drop it: --systems ballast)")
     peak_1 = matmul_peak_flops(1)
     peak_total = peak_1 * args.workers
     result = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_avg_start": os.getloadavg(),

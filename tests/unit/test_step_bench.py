@@ -42,3 +42,18 @@ def test_threads_per_worker_keeps_the_cores_and_moves_them_into_each_process(tmp
             t = cfg.trainer
             assert (t.n_gpus_per_node, t.cpus_per_worker) == (processes, threads)
             assert t.n_gpus_per_node * t.cpus_per_worker == 2  # the cores TRL gets
+
+
+def test_a_missing_trl_is_named_before_any_run(tmp_path, monkeypatch, capsys):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(step_bench.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "trl" else real_find_spec(name, *a))
+    monkeypatch.setattr(step_bench, "matmul_peak_flops", lambda *a: (_ for _ in ()).throw(AssertionError("ran")))
+    monkeypatch.setattr(sys, "argv", ["step_bench.py", "--systems", "ballast,trl", "--log-dir", str(tmp_path)])
+    try:
+        step_bench.main()
+    except SystemExit as e:
+        assert e.code == 2
+    else:
+        raise AssertionError("expected a usage error")
+    assert "setup.sh --bench" in capsys.readouterr().err
