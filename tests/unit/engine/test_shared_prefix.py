@@ -62,12 +62,18 @@ def test_pack_holds_each_prompt_once_and_points_first_tokens_at_the_last_prompt_
     assert len(set(first_tokens[slots.rows[slots.cols == 0] != 3].tolist())) == 2  # one per shared group
 
 
-def test_shared_attention_equals_a_dense_masked_reference():
+@pytest.mark.parametrize("groups", [
+    (SharedGroup(0, 3, (2, 4)), SharedGroup(9, 2, (3,))),
+    # empty responses, a group whose only response is empty, groups of different widths
+    (SharedGroup(0, 3, (2, 0, 4)), SharedGroup(9, 2, (0,)), SharedGroup(11, 5, (3, 1))),
+])
+def test_shared_attention_and_its_gradients_equal_a_dense_masked_reference(groups):
     torch.manual_seed(0)
-    groups = (SharedGroup(0, 3, (2, 4)), SharedGroup(9, 2, (3,)))
-    length = 14 + 2  # two positions of divisibility padding
-    q = torch.randn(1, 4, length, 8)
-    k, v = torch.randn(1, 2, length, 8), torch.randn(1, 2, length, 8)
+    end = sum(g.length for g in groups)
+    length = end + 2  # two positions of divisibility padding
+    q = torch.randn(1, 4, length, 8, requires_grad=True)
+    k = torch.randn(1, 2, length, 8, requires_grad=True)
+    v = torch.randn(1, 2, length, 8, requires_grad=True)
     out = shared_prefix_attention(q, k, v, groups, scaling=None)
     segment = torch.full((length,), -1)  # -1: prompt, i: response i, -2: padding
     owner = torch.full((length,), -1)  # group of each token
@@ -82,9 +88,14 @@ def test_shared_attention_equals_a_dense_masked_reference():
     allowed &= (segment[None, :] == -1) | (segment[None, :] == segment[:, None])
     allowed |= torch.eye(length, dtype=torch.bool)  # padding rows attend to themselves; zeroed below
     ref = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=allowed)
-    ref = ref.transpose(1, 2)
-    ref[:, owner < 0] = 0
+    ref = ref.transpose(1, 2) * (owner >= 0)[None, :, None, None]
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert torch.all(out[:, end:] == 0)
+    weights = torch.randn_like(out)
+    grads = torch.autograd.grad((out * weights).sum(), (q, k, v))
+    ref_grads = torch.autograd.grad((ref * weights).sum(), (q, k, v))
+    for name, got, want in zip("qkv", grads, ref_grads):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=name)
 
 
 def test_shared_outputs_and_gradients_equal_the_rows_run_apart(tiny_lm_dir):
