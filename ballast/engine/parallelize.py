@@ -39,6 +39,8 @@ gradient. Untied or frozen embeddings keep the dense lookup: their gradient woul
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -85,6 +87,15 @@ def _sum_allreduce_hook(group, bucket):
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
+def _no_forward_buffer_sync() -> dict:
+    """DDP's keyword for "do not broadcast buffers before every forward". torch 2.13 renamed it
+    (`broadcast_buffers` now warns at every construction); older releases know only the old name. The
+    new one also broadcasts them once at construction, which changes nothing for equal buffers."""
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
+
+
 def _replicate(model: PreTrainedModel, parallel: ParallelState, mode: DataParallelMode) -> DataParallel:
     # The model is loaded on the host; FSDP2 would move it to the mesh's device, a replica moves itself.
     model.to(parallel.device)
@@ -95,7 +106,7 @@ def _replicate(model: PreTrainedModel, parallel: ParallelState, mode: DataParall
         model,
         process_group=group,
         # Buffers (rotary frequencies) are computed identically on every rank: no per-forward broadcast.
-        broadcast_buffers=False,
+        **_no_forward_buffer_sync(),
         gradient_as_bucket_view=True,
     )
     ddp.register_comm_hook(group, _sum_allreduce_hook)
