@@ -96,11 +96,10 @@ def build_engine(args, work: list[dict]):
 
 def kv_cache_bytes(model_dir: str, tokens: int) -> int:
     """A KV cache that holds every conversation whole (async mode keeps them all live), at least 256 MiB."""
-    from transformers import AutoConfig
+    from ballast.trainer.config import ModelInfo
 
-    c = AutoConfig.from_pretrained(model_dir)
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 4  # K and V, float32 (an upper bound)
+    m = ModelInfo.from_dir(model_dir, key="--model-dir")
+    per_token = 2 * m.num_hidden_layers * m.num_key_value_heads * m.resolved_head_dim * 4  # K and V, float32 (an upper bound)
     return max(256 << 20, int(1.5 * tokens * per_token))
 
 

@@ -21,6 +21,12 @@ class ModelInfo:
     intermediate_size: int
     vocab_size: int
     max_position_embeddings: Optional[int]
+    head_dim: Optional[int] = None  # set where the config gives it (it need not be hidden / heads)
+
+    @property
+    def resolved_head_dim(self) -> int:
+        """Each attention head's width: the config's `head_dim`, else hidden_size / num_attention_heads."""
+        return self.head_dim or self.hidden_size // self.num_attention_heads
 
     @classmethod
     def from_dir(cls, path: str, key: str = "actor_rollout_ref.model.path") -> "ModelInfo":
@@ -46,6 +52,7 @@ class ModelInfo:
                 intermediate_size=int(text.get("intermediate_size") or 4 * int(text["hidden_size"])),
                 vocab_size=int(text["vocab_size"]),
                 max_position_embeddings=text.get("max_position_embeddings"),
+                head_dim=int(text["head_dim"]) if text.get("head_dim") else None,
             )
         except (KeyError, TypeError, ValueError) as err:
             raise ConfigError(f"{key}={path!r}: config.json lacks a usable field: {err}") from err

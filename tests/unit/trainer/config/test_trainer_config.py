@@ -1,6 +1,7 @@
 """The typed config: yaml <-> schema agreement, overrides, derived sizes and the start-up errors."""
 
 import dataclasses
+import json
 import typing
 
 import pytest
@@ -174,6 +175,19 @@ def test_model_info_errors_name_the_path(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="cannot read config.json"):
         ModelInfo.from_dir(str(tmp_path))
+
+
+def test_model_info_reads_head_dim_where_the_config_sets_it(tmp_path):
+    base = dict(num_attention_heads=9, num_key_value_heads=3, hidden_size=576, num_hidden_layers=30,
+                intermediate_size=1536, vocab_size=49152)
+    (tmp_path / "config.json").write_text(json.dumps(base))
+    assert ModelInfo.from_dir(str(tmp_path)).resolved_head_dim == 64  # hidden / heads
+    (tmp_path / "config.json").write_text(json.dumps({**base, "head_dim": 128}))  # e.g. Qwen3, Gemma
+    info = ModelInfo.from_dir(str(tmp_path))
+    assert (info.head_dim, info.resolved_head_dim) == (128, 128)
+    nested = {"text_config": {**base, "head_dim": 96}}  # multimodal configs nest the language model's
+    (tmp_path / "config.json").write_text(json.dumps(nested))
+    assert ModelInfo.from_dir(str(tmp_path)).resolved_head_dim == 96
 
 
 def test_quickstart_config_is_valid():
