@@ -7,6 +7,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 from ballast.trainer.config import load_config, role_precision
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "step_bench.py"
@@ -48,12 +50,13 @@ def test_a_missing_trl_is_named_before_any_run(tmp_path, monkeypatch, capsys):
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(step_bench.importlib.util, "find_spec",
                         lambda name, *a: None if name == "trl" else real_find_spec(name, *a))
-    monkeypatch.setattr(step_bench, "matmul_peak_flops", lambda *a: (_ for _ in ()).throw(AssertionError("ran")))
+
+    def no_measurement(*args):
+        raise AssertionError("the bench started measuring before checking for TRL")
+
+    monkeypatch.setattr(step_bench, "matmul_peak_flops", no_measurement)
     monkeypatch.setattr(sys, "argv", ["step_bench.py", "--systems", "ballast,trl", "--log-dir", str(tmp_path)])
-    try:
+    with pytest.raises(SystemExit) as info:
         step_bench.main()
-    except SystemExit as e:
-        assert e.code == 2
-    else:
-        raise AssertionError("expected a usage error")
+    assert info.value.code == 2
     assert "setup.sh --bench" in capsys.readouterr().err
