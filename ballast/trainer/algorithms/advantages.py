@@ -4,6 +4,13 @@ torch on the driver.
 All take response-aligned (B, R) tensors and return `(advantages, returns)`, both (B, R) and zero
 outside `response_mask`. `index` holds the prompt uid of every sample: the outcome-level estimators
 compare the samples of one prompt with each other.
+
+A response's mask-0 positions are not only its right padding: agent loops insert tool and user
+tokens between sampled turns, and token-level rejection (rollout correction) masks single tokens.
+As in verl, the token-level estimators (GAE, REINFORCE++) step over every mask-0 position: the
+running return, the next value and the GAE accumulator pass through it unchanged (no reward, no
+discount, no value read there), so a turn before a tool response is credited with the rewards
+after it. The outcome-level ones only sum and count, so a mask-0 span changes nothing for them.
 """
 
 from __future__ import annotations
@@ -102,13 +109,14 @@ def rloo_advantage(*, token_level_rewards: torch.Tensor, response_mask: torch.Te
 
 
 def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
-    """G_t = r_t + gamma * G_{t+1}, restarting after the last response token."""
+    """G_t = r_t + gamma * G_t' on response tokens, t' the next response token of the row (0 after its
+    last one). The return crosses mask-0 positions unchanged: their rewards are not added and they
+    cost no discount step. Zero outside `mask`."""
     returns = torch.zeros_like(rewards)
     running = torch.zeros_like(rewards[:, 0])
     for t in reversed(range(rewards.shape[1])):
-        running = rewards[:, t] + gamma * running * mask[:, t]
+        running = torch.where(mask[:, t].bool(), rewards[:, t] + gamma * running, running)
         returns[:, t] = running
-        running = running * mask[:, t]
     return returns * mask
 
 
@@ -116,7 +124,7 @@ def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) 
 def reinforce_plus_plus_advantage(*, token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
                                   gamma: float = 1.0, **_) -> Tuple[torch.Tensor, torch.Tensor]:
     """Token-level discounted returns, whitened over the whole batch."""
-    returns = discounted_returns(token_level_rewards * response_mask, response_mask, gamma)
+    returns = discounted_returns(token_level_rewards, response_mask, gamma)
     return masked_whiten(returns, response_mask), returns
 
 
@@ -124,18 +132,20 @@ def reinforce_plus_plus_advantage(*, token_level_rewards: torch.Tensor, response
 def gae_advantage(*, token_level_rewards: torch.Tensor, response_mask: torch.Tensor,
                   values: Optional[torch.Tensor] = None, gamma: float = 1.0, lam: float = 1.0,
                   **_) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation; positions after the last response token are terminal."""
+    """Generalised advantage estimation over each row's response tokens: the TD error of a token uses
+    the value of the row's next response token (0 after the last one), and the accumulator steps over
+    mask-0 positions unchanged (module docstring)."""
     if values is None:
         raise ValueError("algorithm.adv_estimator=gae needs critic values (the batch has no 'values')")
     mask = response_mask.to(values.dtype)
-    length = token_level_rewards.shape[1]
     advantages = torch.zeros_like(values)
+    next_value = torch.zeros_like(values[:, 0])
     last = torch.zeros_like(values[:, 0])
-    for t in reversed(range(length)):
-        next_value = values[:, t + 1] * mask[:, t + 1] if t + 1 < length else torch.zeros_like(last)
-        next_mask = mask[:, t + 1] if t + 1 < length else torch.zeros_like(last)
+    for t in reversed(range(token_level_rewards.shape[1])):
+        on = mask[:, t].bool()
         delta = token_level_rewards[:, t] + gamma * next_value - values[:, t]
-        last = delta + gamma * lam * last * next_mask
+        last = torch.where(on, delta + gamma * lam * last, last)
+        next_value = torch.where(on, values[:, t], next_value)
         advantages[:, t] = last
     returns = (advantages + values) * mask
     return masked_whiten(advantages, mask), returns

@@ -96,6 +96,81 @@ def test_gae_matches_the_delta_sum_definition():
     assert abs(float((adv * mask).sum() / mask.sum())) < 1e-5
 
 
+def _multi_turn_batch(seed=11, groups=3, n=4, width=20):
+    """Responses of up to three sampled turns with mask-0 spans (tool tokens) between them, right-padded;
+    the outcome reward on each row's last sampled token; values (and rewards) inside the spans are noise.
+    Also the same rows compacted: the sampled tokens moved left, in order, spans cut out."""
+    g = torch.Generator().manual_seed(seed)
+    batch = groups * n
+    mask = torch.zeros(batch, width)
+    compact = torch.zeros(batch, width)
+    for row in range(batch):
+        col = kept = 0
+        for turn in range(int(torch.randint(1, 4, (1,), generator=g))):
+            if turn:
+                col += int(torch.randint(1, 4, (1,), generator=g))  # the tool response between the turns
+            tokens = int(torch.randint(1, 4, (1,), generator=g))
+            mask[row, col:col + tokens] = 1.0
+            col, kept = col + tokens, kept + tokens
+        compact[row, :kept] = 1.0
+    rewards = torch.zeros(batch, width, dtype=torch.float64)
+    last = (torch.arange(width) * mask).argmax(dim=1)
+    rewards[torch.arange(batch), last] = torch.rand(batch, generator=g, dtype=torch.float64) + 0.5
+    values = torch.randn(batch, width, generator=g, dtype=torch.float64)
+    index = np.array([f"uid-{i // n}" for i in range(batch)], dtype=object)
+    return rewards, values, mask.double(), compact.double(), index
+
+
+def _compacted(x, mask, compact):
+    out = torch.zeros_like(x)
+    out[compact.bool()] = x[mask.bool()]  # row-major: each row's kept tokens, in order
+    return out
+
+
+@pytest.mark.parametrize("name", ["gae", "reinforce_plus_plus", "grpo", "rloo", "reinforce_plus_plus_baseline",
+                                  "grpo_passk", "opo", "gpg"])
+def test_mask_zero_spans_inside_a_response_change_nothing(name):
+    """A response with tool tokens between its turns is trained like the same response with them cut
+    out: no reward, discount step or value is read at a mask-0 position, and the accumulators cross it
+    (the first zero does not end the episode)."""
+    rewards, values, mask, compact, index = _multi_turn_batch()
+    assert ((mask[:, :-1] == 0) & (mask[:, 1:] == 1)).any()  # some rows really have interior spans
+    fn = get_adv_estimator(name)
+    kwargs = dict(index=index, gamma=0.9, lam=0.8)
+    adv, returns = fn(token_level_rewards=rewards, response_mask=mask, values=values, **kwargs)
+    want_adv, want_returns = fn(token_level_rewards=_compacted(rewards, mask, compact), response_mask=compact,
+                                values=_compacted(values, mask, compact), **kwargs)
+    torch.testing.assert_close(_compacted(adv, mask, compact), want_adv, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(_compacted(returns, mask, compact), want_returns, rtol=1e-9, atol=1e-9)
+    assert torch.all(adv[mask == 0] == 0) and torch.all(returns[mask == 0] == 0)
+
+
+def test_discounted_returns_across_tool_spans_match_explicit_sums():
+    """G_t = sum over the row's response tokens k >= t of gamma^(response tokens in [t, k)) r_k."""
+    g = torch.Generator().manual_seed(2)
+    rewards = torch.randn(3, 8, generator=g, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0, 0, 1, 0, 1, 0], [1, 0, 1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 0, 1, 1, 1]],
+                        dtype=torch.float64)
+    gamma = 0.9
+    returns = discounted_returns(rewards, mask, gamma)
+    for b in range(3):
+        kept = [k for k in range(8) if mask[b, k]]
+        for i, t in enumerate(kept):
+            expected = sum(gamma ** j * rewards[b, k] for j, k in enumerate(kept[i:]))
+            assert float(returns[b, t]) == pytest.approx(float(expected), rel=1e-12)
+    assert torch.all(returns[mask == 0] == 0)
+
+
+def test_gae_with_gamma_and_lambda_one_returns_the_final_score_on_every_turn():
+    """With gamma = lam = 1 the value terms telescope: every response token's return is the reward that
+    follows it, whatever the critic says, so a first turn before a tool response gets the outcome."""
+    rewards, values, mask, _, _ = _multi_turn_batch(seed=4)
+    _, returns = get_adv_estimator("gae")(token_level_rewards=rewards, response_mask=mask, values=values,
+                                          gamma=1.0, lam=1.0)
+    scores = rewards.sum(dim=1, keepdim=True).expand_as(rewards)
+    torch.testing.assert_close(returns[mask == 1], scores[mask == 1], rtol=1e-12, atol=1e-12)
+
+
 def test_gae_without_values_is_a_clear_error():
     with pytest.raises(ValueError, match="values"):
         get_adv_estimator("gae")(token_level_rewards=torch.zeros(1, 2), response_mask=torch.ones(1, 2))

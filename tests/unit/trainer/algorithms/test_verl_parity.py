@@ -41,13 +41,36 @@ def _inputs(seed):
     return gen, mask, uids
 
 
+def _holed_inputs(seed, width=24):
+    """Multi-turn masks: per row, 1 to 3 mask-0 spans (tool tokens, rejected tokens) at random places
+    between response tokens, and right padding; the first and last columns of a hole-free row too."""
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.zeros(B, width)
+    for row in range(B):
+        length = int(torch.randint(width // 2, width + 1, (1,), generator=gen))
+        mask[row, :length] = 1.0
+        for _ in range(int(torch.randint(1, 4, (1,), generator=gen))):
+            start = int(torch.randint(1, length - 1, (1,), generator=gen))
+            span = int(torch.randint(1, 4, (1,), generator=gen))
+            mask[row, start:min(start + span, length - 1)] = 0.0  # keeps the row's first and last token
+    uids = np.array([f"p{i // 3}" for i in range(B - 1)] + ["single"], dtype=object)
+    return gen, mask, uids
+
+
+@pytest.mark.parametrize("layout", ["right_padded", "holes"])
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("name", ["grpo", "grpo_unnormalised", "rloo", "reinforce_plus_plus",
                                   "reinforce_plus_plus_baseline", "grpo_passk", "opo", "gpg", "gae"])
-def test_advantage_estimators_match_verl(name, seed):
-    gen, mask, uids = _inputs(seed)
-    rewards = torch.randn(B, R, generator=gen, dtype=torch.float64) * mask
-    values = torch.randn(B, R, generator=gen, dtype=torch.float64) * mask
+def test_advantage_estimators_match_verl(name, seed, layout):
+    """`holes`: mask-0 spans inside responses, where verl carries the running return, the next value
+    and the GAE accumulator through; rewards and values there are noise that must not matter."""
+    gen, mask, uids = _inputs(seed) if layout == "right_padded" else _holed_inputs(seed)
+    width = mask.shape[1]
+    if layout == "holes":
+        assert ((mask[:, :-1] == 0) & (mask[:, 1:] == 1)).any(dim=1).all()  # every row has an interior hole
+    noise = 1.0 if layout == "holes" else 0.0
+    rewards = torch.randn(B, width, generator=gen, dtype=torch.float64) * (mask + noise * (1 - mask))
+    values = torch.randn(B, width, generator=gen, dtype=torch.float64) * (mask + noise * (1 - mask))
     if name == "grpo_passk":  # groups of one are an error in both
         mask, uids, rewards, values = mask[:-1], uids[:-1], rewards[:-1], values[:-1]
     gamma, lam, norm_std = 0.97, 0.9, name != "grpo_unnormalised"
