@@ -289,9 +289,7 @@ class VLLMBackend:
         """
         counted = _Counting(named_tensors)
         if self.on_gpu:
-            if "weights" in self._asleep:
-                self.llm.wake_up(tags=["weights"])
-                self._asleep.discard("weights")
+            self._wake_weights()
             self.llm.collective_rpc(_load_into_model, kwargs=dict(weights=counted))
             self._weights_discarded = False
         else:
@@ -324,11 +322,28 @@ class VLLMBackend:
         # Copies: with whole replicas the gathered tensors are the live parameters, which the next
         # optimizer step overwrites, and vLLM keeps what it is given.
         tensors = {name: tensor.detach().to("cpu", copy=True) for name, tensor in named_tensors}
+        # The adapter is copied into vLLM's LoRA buffers, which sleep with the engine: see _wake_weights.
+        self._wake_weights()
         self.llm.collective_rpc(install_adapter, args=(tensors, dict(peft_config), self._adapter_id + 1))
         self._adapter_id += 1
         if self.llm.reset_prefix_cache() is False:
             raise RuntimeError("vLLM refused to reset its prefix cache after an adapter update")
         return len(tensors)
+
+    def _wake_weights(self) -> None:
+        """Map the sleeping weights back in before anything is written into the engine's memory.
+
+        A sleeping engine has unmapped every allocation of its memory pool (vLLM's `CuMemAllocator`),
+        the LoRA buffers included: vLLM 0.33 keeps them in its "runtime" pool, which every wake-up maps
+        back with its pre-sleep contents; vllm 0.32's sources allocate them with the weights. Either
+        way an adapter installed into a sleeping engine is copied into unmapped memory, and even where
+        that does not fault, the next wake-up restores the previous adapter over it. So an adapter is
+        installed only after the weights (and with them the runtime pool) are awake; the KV cache stays
+        asleep until `wake_up`. A no-op on CPU and when awake.
+        """
+        if self.on_gpu and "weights" in self._asleep:
+            self.llm.wake_up(tags=["weights"])
+            self._asleep.discard("weights")
 
     def sleep(self) -> None:
         """GPU with free_cache_engine: free the KV cache and offload (level 1) or drop (level 2) weights.

@@ -20,7 +20,8 @@ On CPU sleep/wake_up are no-ops (vLLM has no CPU sleep mode), so the engine keep
 LoRA (`sync_actor`): when the actor trains an adapter and the backend serves adapters, only the
 adapter's tensors move (`SyncMode.ADAPTER`; the engine keeps the base weights it loaded, and gets them
 again only after a level-2 sleep discarded them); otherwise the actor's merged weights are loaded like
-full weights (`SyncMode.MERGED`).
+full weights (`SyncMode.MERGED`). `load_adapter` wakes the weights first too: vLLM's LoRA buffers sleep
+with them, and a wake-up after the install would restore the previous adapter over the new one.
 """
 
 from __future__ import annotations

@@ -2,9 +2,12 @@
 
 The fake models what vLLM 0.33's sleep mode does to device memory: level 1 offloads the weights to
 host memory and copies them back on wake-up; level 2 discards them, and waking maps fresh memory
-whose content is garbage (`GARBAGE`). Writing weights into memory that is asleep, or generating
-before every pool is awake, is an error. The fake engine answers each prompt with one token: the
-value of its only weight, so a test reads off which weights served a rollout.
+whose content is garbage (`GARBAGE`). The LoRA buffers live in the "runtime" pool, which every sleep
+offloads and every wake-up (whatever its tags) maps back with the pre-sleep contents. Writing weights
+or an adapter into memory that is asleep, or generating before every pool is awake, is an error (a
+lenient fake accepts the adapter write instead, into memory the next wake-up overwrites). The fake
+engine answers each prompt with one token, the value of its only weight, and under an adapter with a
+second one, `ADAPTER_TOKEN` + the adapter's value, so a test reads off what served a rollout.
 """
 
 import sys
@@ -22,10 +25,12 @@ from ballast.workers import actor_rollout_ref
 from ballast.workers.actor_rollout_ref import ActorRolloutRefWorker
 from ballast.workers.spec import WeightSyncSpec
 from ballast.workers.rollout.base import RolloutConfig, SamplingConfig
+from ballast.workers.rollout import vllm_backend
 from ballast.workers.rollout.vllm_backend import VLLMBackend
 
 GARBAGE = 999
 VOCAB = 1000
+ADAPTER_TOKEN = 500
 
 
 class FakeModel:
@@ -41,10 +46,13 @@ class FakeModel:
 
 
 class FakeLLM:
+    lenient_adapter_writes = False  # True: an adapter written while asleep lands in unmapped memory, no fault
+
     def __init__(self, **kwargs):
         self.kwargs, self.events, self.asleep = kwargs, [], set()
         self.weight, self.offloaded = 0, None  # what the model directory holds: the actor's start
-        worker = SimpleNamespace(model_runner=SimpleNamespace(get_model=lambda: FakeModel(self)))
+        self.adapter, self.offloaded_adapter = None, None  # the runtime pool's LoRA buffers: (id, value)
+        worker = SimpleNamespace(model_runner=SimpleNamespace(get_model=lambda: FakeModel(self)), engine=self)
         self._worker = worker
         model_config = SimpleNamespace(get_vocab_size=lambda: VOCAB, max_model_len=256)
         self.llm_engine = SimpleNamespace(model_config=model_config)
@@ -52,29 +60,50 @@ class FakeLLM:
     def sleep(self, level):
         self.events.append(f"sleep{level}")
         self.offloaded = self.weight if level == 1 else None
-        self.weight = None
-        self.asleep = {"weights", "kv_cache"}
+        self.offloaded_adapter = self.adapter  # the runtime pool is kept at every level
+        self.weight = self.adapter = None
+        self.asleep = {"weights", "kv_cache", "runtime"}
 
     def wake_up(self, tags=None):
-        tags = sorted(self.asleep) if tags is None else list(tags)
+        tags = sorted(self.asleep - {"runtime"}) if tags is None else list(tags)
         self.events.append("wake:" + ",".join(tags))
         if "weights" in tags:
             self.weight = self.offloaded if self.offloaded is not None else GARBAGE
             self.offloaded = None
-        self.asleep -= set(tags)
+        if "runtime" in self.asleep:  # not deferrable: every wake-up maps it back, pre-sleep contents in
+            self.adapter, self.offloaded_adapter = self.offloaded_adapter, None
+        self.asleep -= {*tags, "runtime"}
 
-    def collective_rpc(self, fn, kwargs):
-        return [fn(self._worker, **kwargs)]
+    def install_adapter(self, lora_id, value):
+        """What `vllm_lora.install_adapter` does to device memory: copy the adapter into the LoRA buffers."""
+        if "runtime" in self.asleep and not self.lenient_adapter_writes:
+            raise RuntimeError("copied an adapter into LoRA buffers that are not mapped (asleep)")
+        self.adapter = (lora_id, value)
+        self.events.append(f"adapter{lora_id}")
+
+    def collective_rpc(self, fn, args=(), kwargs=None):
+        return [fn(self._worker, *args, **(kwargs or {}))]
 
     def reset_prefix_cache(self):
         self.events.append("reset_prefix_cache")
 
-    def generate(self, prompts, params, use_tqdm=False):
+    def generate(self, prompts, params, use_tqdm=False, lora_request=None):
         if self.asleep:
             raise RuntimeError(f"generate while {sorted(self.asleep)} asleep")
         self.events.append("generate")
-        completion = SimpleNamespace(token_ids=[self.weight], logprobs=None)
+        tokens = [self.weight]
+        if lora_request is not None:
+            installed, value = self.adapter or (None, None)
+            if installed != lora_request.lora_int_id:
+                raise RuntimeError(f"request names adapter {lora_request.lora_int_id}, loaded: {installed}")
+            tokens.append(ADAPTER_TOKEN + value)
+        completion = SimpleNamespace(token_ids=tokens, logprobs=None)
         return [SimpleNamespace(outputs=[completion]) for _ in prompts]
+
+
+def _fake_install_adapter(worker, tensors, peft_config, lora_id):
+    worker.engine.install_adapter(lora_id, int(tensors["lora_B"].item()))
+    return [lora_id]
 
 
 @pytest.fixture
@@ -85,8 +114,16 @@ def fake_vllm(monkeypatch):
     inputs = types.ModuleType("vllm.inputs")
     inputs.TokensPrompt = lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids}
     module.inputs = inputs
+    lora_request = types.ModuleType("vllm.lora.request")
+    lora_request.LoRARequest = lambda **kw: SimpleNamespace(**kw)
     monkeypatch.setitem(sys.modules, "vllm", module)
     monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
+    monkeypatch.setitem(sys.modules, "vllm.lora", types.ModuleType("vllm.lora"))
+    monkeypatch.setitem(sys.modules, "vllm.lora.request", lora_request)
+    # vLLM's model registry and adapter manager are not faked: the architecture serves LoRA, and the
+    # install goes to the fake engine's LoRA buffers
+    monkeypatch.setattr(vllm_backend, "architecture_serves_lora", lambda path: (True, ""))
+    monkeypatch.setattr(vllm_backend, "install_adapter", _fake_install_adapter)
     # An earlier test in the same pytest process (an in-process vLLM engine) may leave the default
     # process group initialised, which would make the backend build a distributed engine: these
     # tests are about the sleep/wake state machine of a single engine.
@@ -96,6 +133,8 @@ def fake_vllm(monkeypatch):
 class FakeActor:
     """The FSDP actor as the worker sees it: a version number as its only weight."""
 
+    adapter = None
+
     def __init__(self):
         self.version = 0
         self.parallel = SimpleNamespace(dp_rank=0)
@@ -104,25 +143,44 @@ class FakeActor:
         yield "w", torch.tensor(float(self.version))
 
 
-def _worker(tmp_path, sleep_level):
+class FakeLoraActor(FakeActor):
+    """A LoRA actor: a frozen base weight (0) and an adapter whose only tensor is the version number."""
+
+    adapter = SimpleNamespace(max_rank=8, config_dict=lambda: {"r": 8, "lora_alpha": 16})
+
+    def iter_base_state_dict(self, layered=False):
+        yield "w", torch.tensor(0.0)
+
+    def iter_adapter_state_dict(self, layered=False):
+        yield "lora_B", torch.tensor(float(self.version))
+
+
+def _worker(tmp_path, sleep_level, actor=None):
     config = RolloutConfig(model_path=str(tmp_path), backend="vllm", device="cuda", free_cache_engine=True,
                            sleep_level=sleep_level, pad_token_id=0,
+                           max_lora_rank=8 if isinstance(actor, FakeLoraActor) else None,
                            sampling=SamplingConfig(max_response_length=4, eos_token_ids=(2,), do_sample=False))
     worker = ActorRolloutRefWorker(SimpleNamespace(actor_train=SimpleNamespace(ppo_epochs=1), rollout_val_sampling=None,
                                                    weight_sync=WeightSyncSpec()))
-    worker.actor = FakeActor()
+    worker.actor = actor or FakeActor()
     worker.rollout = VLLMBackend(config)
     worker.rollout.sleep()  # as init_model: the memory goes to training until the first rollout
+    worker._init_weight_sync()
     return worker
 
 
-def _served(worker) -> int:
-    """Generate once through the worker and return the token the engine answered with."""
+def _response(worker) -> list[int]:
+    """Generate once through the worker and return the tokens the engine answered with."""
     ids = torch.tensor([[5, 6, 7]])
     prompts = Batch({"input_ids": ids, "attention_mask": torch.ones_like(ids),
                      "position_ids": torch.arange(3)[None]})
     out = worker.generate_sequences(prompts).batch
-    return int(out.tensors["responses"][0, 0])
+    return [int(t) for t, kept in zip(out.tensors["responses"][0], out.tensors["response_mask"][0]) if kept]
+
+
+def _served(worker) -> int:
+    """The weight that served one rollout through the worker."""
+    return _response(worker)[0]
 
 
 def _update_actor(worker, monkeypatch):
@@ -178,3 +236,32 @@ def test_a_prefix_cache_that_cannot_be_reset_after_a_weight_update_is_an_error(f
     monkeypatch.setattr(worker.rollout.llm, "reset_prefix_cache", lambda: False)
     with pytest.raises(RuntimeError, match="refused to reset its prefix cache"):
         worker.rollout.load_weights(worker.actor.iter_full_state_dict())
+
+
+@pytest.mark.parametrize("lenient", [False, True], ids=["unmapped-write-faults", "wake-restores-old-adapter"])
+def test_level1_lora_installs_each_adapter_into_awake_memory(fake_vllm, tmp_path, monkeypatch, lenient):
+    """Colocated LoRA: the adapter goes in after the weights (and the runtime pool with them) are awake.
+    Installed into the sleeping engine, its copy hits unmapped memory (the first generate fails) or, where
+    that does not fault, the wake-up restores the pre-sleep adapter over it (the rollout samples from the
+    previous adapter)."""
+    monkeypatch.setattr(FakeLLM, "lenient_adapter_writes", lenient)
+    worker = _worker(tmp_path, sleep_level=1, actor=FakeLoraActor())
+    engine = worker.rollout.llm
+    assert _response(worker) == [0, ADAPTER_TOKEN + 0]  # the base weights under the actor's first adapter
+    _update_actor(worker, monkeypatch)
+    assert _response(worker) == [0, ADAPTER_TOKEN + 1]
+    assert _response(worker) == [0, ADAPTER_TOKEN + 1]  # no update: the adapter survives a sleep and a wake
+    per_sync = ["wake:weights", "adapter{}", "reset_prefix_cache", "wake:kv_cache", "generate", "sleep1"]
+    no_sync = ["wake:weights,kv_cache", "generate", "sleep1"]
+    expected = ["sleep1"] + [e.format(1) for e in per_sync] + [e.format(2) for e in per_sync] + no_sync
+    assert engine.events == expected
+
+
+def test_level2_lora_reloads_the_base_weights_then_the_adapter(fake_vllm, tmp_path, monkeypatch):
+    worker = _worker(tmp_path, sleep_level=2, actor=FakeLoraActor())
+    engine = worker.rollout.llm
+    assert _response(worker) == [0, ADAPTER_TOKEN + 0]
+    _update_actor(worker, monkeypatch)
+    assert _response(worker) == [0, ADAPTER_TOKEN + 1]
+    assert engine.events[:7] == ["sleep2", "wake:weights", "load", "reset_prefix_cache", "adapter1",
+                                 "reset_prefix_cache", "wake:kv_cache"]
