@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional
 
 import numpy as np
 import torch
@@ -46,7 +46,7 @@ from tqdm import tqdm
 
 from ballast.balance import FlopsModel, PhasePlan, balance_metrics, workload_costs
 from ballast.protocol import Batch, Output
-from ballast.trainer.algorithms import get_adv_estimator, kl_penalty, make_kl_controller, masked_mean
+from ballast.trainer.algorithms import make_kl_controller
 from ballast.trainer.algorithms.policy_loss import actor_constant_metrics
 from ballast.trainer.run.builders import actor_loss_config
 from ballast.trainer.step.charts import per_rank_tokens
@@ -69,6 +69,7 @@ from ballast.trainer.run.tracking import Tracker, format_validation, progress_po
 from ballast.trainer.step.val_metrics import validation_metrics
 from ballast.trainer.run import signals
 from ballast.trainer.step.rollout_correction import RolloutCorrectionPhase, rollout_correction_settings
+from ballast.trainer.step.advantage_phase import rewards_and_advantages
 from ballast.trainer.step.rollout_weights import RolloutWeights
 from ballast.trainer.step.rollout_pipeline import (PendingRollout, Rollout, RolloutPipeline, idle_metrics,
                                                    load_rollouts_ahead, save_rollouts_ahead, staleness_metrics)
@@ -193,10 +194,8 @@ class RayPPOTrainer:
             if self.sizes.use_critic:
                 with _timer(timing, "values"):
                     self.infer(batch, self.workers.critic.compute_values, plans.inference("critic"))
-            with _timer(timing, "rollout_corr"):
-                metrics.update(self.correction.before_advantages(batch))
-            with _timer(timing, "adv"):
-                metrics.update(self.compute_advantages(batch))
+            metrics.update(rewards_and_advantages(batch, self.cfg.algorithm, self.kl_ctrl, self.correction,
+                                                  lambda name: _timer(timing, name)))
             if self.sizes.use_critic:
                 with _timer(timing, "update_critic"):
                     critic_plan = plans.update("critic")
@@ -329,23 +328,6 @@ class RayPPOTrainer:
         self.monitor.record_balance(lengths, raw, balanced, dp)
         return metrics
 
-    def compute_advantages(self, batch: Batch) -> Dict[str, float]:
-        alg = self.cfg.algorithm
-        metrics: Dict[str, float] = {}
-        mask = batch["response_mask"].float()
-        rewards = batch["token_level_scores"]
-        if alg.use_kl_in_reward:
-            kld = kl_penalty(batch["old_log_probs"], batch["ref_log_prob"], alg.kl_penalty) * mask
-            rewards, metrics = apply_kl_in_reward(rewards, kld, mask, self.kl_ctrl)
-        batch["token_level_rewards"] = rewards
-        adv, returns = get_adv_estimator(alg.adv_estimator)(
-            token_level_rewards=rewards, response_mask=mask, index=batch["uid"],
-            values=batch["values"] if "values" in batch else None, gamma=alg.gamma, lam=alg.lam,
-            norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
-        )
-        batch["advantages"], batch["returns"] = adv, returns
-        return metrics
-
     def update_actor(self, batch: Batch, plan: PhasePlan, plans: StepPlanner, separate_pass: bool):
         """The actor update on `batch[plan.rows]`: (metrics, every DP rank's `UpdateResult`). When the
         update computed the old log-probs, they and their entropies are written into `batch`."""
@@ -457,19 +439,6 @@ def actor_updates_at(step: int, critic_warmup: int) -> bool:
     """verl's rule: the actor trains from step `critic_warmup` on (steps count from 1), so
     critic_warmup=W trains only the critic on steps 1..W-1 and critic_warmup <= 1 changes nothing."""
     return step >= critic_warmup
-
-
-def apply_kl_in_reward(scores, kld, mask, kl_ctrl) -> Tuple[object, Dict[str, float]]:
-    """rewards = scores - beta * kl with the coefficient beta of this step, then the controller update.
-
-    The logged coefficient is the one applied to this step's rewards (as verl logs it), not the
-    updated one that the next step will use.
-    """
-    beta = kl_ctrl.value
-    rewards = scores - beta * kld
-    current_kl = float(masked_mean(kld, mask, dim=-1).mean())  # per-sequence mean, then batch mean
-    kl_ctrl.update(current_kl, n_steps=int(scores.shape[0]))
-    return rewards, {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
 
 
 @contextlib.contextmanager

@@ -4,6 +4,7 @@
   each for the objective of the engine that runs it;
 * `old_log_probs`: where the old log-probs come from (a separate pass, or the actor update itself);
 * `reward`, `dynamic_sampling`: scoring and DAPO's filter-groups sampling;
+* `advantage_phase`: scores to rewards (the in-reward KL), rollout correction and advantages, in verl's order;
 * `metrics`, `val_metrics`, `monitor`, `charts`: what a step reports.
 """
 

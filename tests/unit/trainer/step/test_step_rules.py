@@ -12,7 +12,8 @@ from ballast.trainer.algorithms.kl import kl_penalty
 from ballast.trainer.algorithms.policy_loss import (
     ActorLossConfig, CriticLossConfig, actor_constant_metrics, actor_loss, critic_loss,
 )
-from ballast.trainer.ray_trainer import actor_updates_at, apply_kl_in_reward
+from ballast.trainer.ray_trainer import actor_updates_at
+from ballast.trainer.step.advantage_phase import apply_kl_in_reward
 
 
 def _micro(batch=6, width=5, seed=0):
