@@ -142,6 +142,10 @@ except Exception as e:  # vllm is optional at import time; the rollout worker fa
     print(f"[setup] WARNING: vllm does not import: {e!r}", file=sys.stderr)
 import torch, transformers
 print("[setup] torch", torch.__version__, "| transformers", transformers.__version__)
+from ballast.tools.isolation import probe  # the sandbox that code tools and code rewards need
+iso = probe()
+print("[setup] sandbox for model-written code: " + ("ready (" + "; ".join(iso.notes) + ")" if iso.ok else
+      "NOT available: " + "; ".join(iso.missing) + " (code tools and code rewards will refuse to start)"))
 PY
 echo "$HASH" > "$STAMP"
 say "done: activate with 'source .venv/bin/activate'"

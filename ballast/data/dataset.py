@@ -175,6 +175,11 @@ class RLDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self._samples)
 
+    @property
+    def data_sources(self) -> set[str]:
+        """The distinct `data_source` values of the rows (what the reward must be able to score)."""
+        return {sample["data_source"] for sample in self._samples}
+
     def __getitem__(self, i: int) -> dict:
         return self._samples[i]
 

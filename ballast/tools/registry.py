@@ -7,7 +7,7 @@
           type: function
           function: {name: calculator, description: ..., parameters: {...}}
 
-Short names for the shipped tools: `calculator` and `python`. Every problem (unreadable file, missing
+Short names for the shipped tools: `calculator`, `python` and `code_interpreter`. Every problem (unreadable file, missing
 class, bad schema, two tools with one name) is a ValueError naming the file and the entry.
 """
 
@@ -21,6 +21,7 @@ from ballast.tools.base import Tool
 BUILTIN_TOOLS = {
     "calculator": "ballast.tools.calculator.CalculatorTool",
     "python": "ballast.tools.python_expr.PythonExpressionTool",
+    "code_interpreter": "ballast.tools.code_interpreter.CodeInterpreterTool",
 }
 
 

@@ -1,24 +1,30 @@
-"""Evaluate a Python expression in a child process with a time limit, a memory limit and no files.
+"""Run one model-written Python program inside the OS-level sandbox and collect what it did.
 
-The child is a fresh interpreter in isolated mode (`python -I -S`: no site-packages, no user paths,
-environment ignored) started in an empty temporary directory with an empty environment. Before it
-reads the expression it lowers its own resource limits: address space (`memory_bytes`), CPU seconds
-(`timeout_s` + 1), no file writes (RLIMIT_FSIZE 0), no core dumps, few file descriptors. The parent
-reads at most `max_output_bytes` of its output and kills the child's whole process group at
-`timeout_s` wall-clock seconds, so a child that loops, sleeps, allocates or prints without end costs
-at most that long.
+    sandbox = Sandbox(SandboxLimits(timeout_s=2), owner="tool 'code_interpreter'")   # refuses if it can't isolate
+    result = await sandbox.run("print(input()[::-1])", stdin=b"abc\n")
+    result.stdout, result.stderr, result.exit_code, result.reason                   # b"cba\n", b"", 0, None
 
-The child's output starts with one status byte, `R` (the repr of the value follows) or `E` (the
-error follows); `SandboxResult.failed` and `.text` read it. The expression is evaluated with a small set of builtins and the `math` module; names and attributes
-starting with an underscore are refused before evaluation, which closes the usual
-`().__class__.__subclasses__()` escapes. This is resource isolation for model-written code, not a
-security boundary against a determined attacker (no seccomp, namespaces or network isolation).
+Every execution is a fresh bubblewrap sandbox (see `isolation.py`: namespaces, read-only minimal
+filesystem, private tmpfs, uid 65534, empty environment, seccomp, a process cap). Inside it a small
+runner lowers the resource limits (address space, CPU seconds, file size, open files, core dumps and,
+when the trainer is not root, processes), soft and hard alike so the program cannot raise them back,
+closes every inherited descriptor above stderr, and runs the program as `__main__`. The parent feeds
+`stdin`, reads stdout and stderr up to `max_output_bytes` together, and ends the whole sandbox (its
+PID namespace dies with its init) at `timeout_s` wall-clock seconds or when the output cap is hit.
+Nothing the program does raises here: every outcome is a `SandboxResult` whose `reason` says what
+stopped it (None: it exited 0).
+
+`Sandbox(..., unsafe=True)` runs the same runner in a plain child interpreter (isolated mode, empty
+environment, own session, temporary working directory, the same rlimits) for machines where the
+sandbox cannot be set up; it says so loudly when built and marks every result `isolated=False`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import math
 import os
 import signal
 import sys
@@ -26,119 +32,313 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-# Runs in the child. Limits first, then read the request from stdin, then evaluate.
-_CHILD = r"""
-import ast, json, math, resource, sys
-req = json.loads(sys.stdin.readline())
-for limit, value in ((resource.RLIMIT_AS, req["memory_bytes"]), (resource.RLIMIT_CPU, req["cpu_s"]),
-                     (resource.RLIMIT_FSIZE, 0), (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NOFILE, 16)):
-    soft, hard = resource.getrlimit(limit)
-    value = value if hard == resource.RLIM_INFINITY else min(value, hard)
-    resource.setrlimit(limit, (value, hard))
-SAFE = ("abs all any bin bool chr dict divmod enumerate filter float hex int len list map max min oct ord pow "
-        "range repr reversed round set sorted str sum tuple zip True False None").split()
-import builtins
-env = {"__builtins__": {k: getattr(builtins, k) for k in SAFE if hasattr(builtins, k)}, "math": math}
+from ballast.tools.isolation import (PROGRAM_PATH, ExecutionCgroup, Isolation, SandboxUnavailableError,
+                                     bwrap_command, probe, _memfd)
+
+logger = logging.getLogger(__name__)
+
+# Runs first inside the sandbox: limits, then the program. Soft = hard, so the limits stay.
+RUNNER = r'''
+import json, os, resource, sys, traceback
+def _setup():
+    cfg = json.loads(sys.argv[1])
+    for name, value in cfg["rlimits"]:
+        kind = getattr(resource, name)
+        hard = resource.getrlimit(kind)[1]
+        value = value if hard == resource.RLIM_INFINITY else min(value, hard)
+        resource.setrlimit(kind, (value, value))
+    os.closerange(3, 1 << 16)
+    sys.argv = [cfg["program"]]
+    with open(cfg["program"], "rb") as f:
+        return compile(f.read(), cfg["program"], "exec")
+_code = _setup()
+del _setup
 try:
-    tree = ast.parse(req["expression"], mode="eval")
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and node.attr.startswith("_") or \
-           isinstance(node, ast.Name) and node.id.startswith("_"):
-            raise ValueError("names and attributes starting with '_' are not allowed")
-    result = eval(compile(tree, "<expression>", "eval"), env)
-    sys.stdout.write("R" + repr(result))
-except MemoryError:
-    sys.stdout.write("EMemoryError: the expression needs more memory than allowed")
+    exec(_code, {"__name__": "__main__", "__file__": sys.argv[0], "__builtins__": __builtins__})
+except SystemExit:
+    raise
 except BaseException as err:
-    sys.stdout.write(f"E{type(err).__name__}: {err}")
-"""
+    traceback.print_exception(type(err), err, err.__traceback__.tb_next)
+    sys.stderr.flush()
+    os._exit(1)
+'''
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """Per-execution limits. Units in the names; `from_config` reads a tool's or reward's config."""
+
+    timeout_s: float = 5.0
+    memory_bytes: int = 256 << 20
+    max_processes: int = 16
+    max_output_bytes: int = 64 << 10
+    tmpfs_bytes: int = 16 << 20
+    max_open_files: int = 64
+
+    def __post_init__(self):
+        for name in ("timeout_s", "memory_bytes", "max_processes", "max_output_bytes", "tmpfs_bytes", "max_open_files"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"sandbox limit {name}={value!r} must be a number > 0")
+
+    @classmethod
+    def from_config(cls, config: dict, where: str, *, timeout_key: str = "timeout_s",
+                    default_timeout_s: float = 5.0) -> "SandboxLimits":
+        """Keys: `timeout_key` (s), `memory_mb`, `max_processes`, `max_output_bytes`, `tmpfs_mb`."""
+        def number(key, default, kind=float):
+            value = config.get(key, default)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{where}: config.{key}={value!r} must be a number > 0")
+            return kind(value)
+
+        return cls(timeout_s=number(timeout_key, default_timeout_s), memory_bytes=number("memory_mb", 256, int) << 20,
+                   max_processes=number("max_processes", 16, int),
+                   max_output_bytes=number("max_output_bytes", 64 << 10, int),
+                   tmpfs_bytes=number("tmpfs_mb", 16, int) << 20)
 
 
 @dataclass(frozen=True)
 class SandboxResult:
-    output: bytes
+    stdout: bytes
+    stderr: bytes
     exit_code: int | None
-    timed_out: bool
+    reason: str | None  # None | "exit_status" | "timeout" | "output_limit" | "memory" | "cpu_time" | "killed" | "sandbox_error"
     truncated: bool
     seconds: float
+    isolated: bool
 
     @property
-    def failed(self) -> bool:
-        """The expression raised, ran out of time or memory, or the child died."""
-        return self.timed_out or not self.output.startswith(b"R")
+    def ok(self) -> bool:
+        return self.reason is None
 
-    @property
-    def text(self) -> str:
-        """The value's repr or the error, as UTF-8 text (invalid bytes replaced)."""
-        body = self.output[1:] if self.output[:1] in (b"R", b"E") else self.output
-        return body.decode("utf-8", errors="replace")
+    def text(self, stream: str = "stdout") -> str:
+        return getattr(self, stream).decode("utf-8", errors="replace")
 
 
-async def run_expression(expression: str, *, timeout_s: float = 5.0, memory_bytes: int = 256 << 20,
-                         max_output_bytes: int = 64 << 10) -> SandboxResult:
-    """Evaluate `expression` in a limited child process; its stdout (result repr or error), capped."""
-    request = json.dumps({"expression": expression, "memory_bytes": int(memory_bytes),
-                          "cpu_s": int(timeout_s) + 1}) + "\n"
-    start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="ballast-sandbox-") as workdir:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-I", "-S", "-c", _CHILD, stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, cwd=workdir,
-            env={"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8"}, start_new_session=True,
-        )
+class Sandbox:
+    """Runs programs in the sandbox with `limits`; built once per tool or reward (see module docstring).
+
+    `owner` names the user in errors ("tool 'python'"). Raises SandboxUnavailableError at construction
+    when the sandbox cannot be set up here, unless `unsafe`."""
+
+    def __init__(self, limits: SandboxLimits, *, owner: str, unsafe: bool = False, bwrap_path: str | None = None):
+        if not isinstance(unsafe, bool):
+            raise ValueError(f"{owner}: config.unsafe={unsafe!r} must be true or false")
+        self.limits, self.owner, self.unsafe = limits, owner, unsafe
+        self.isolation: Isolation | None = None
+        if unsafe:
+            logger.warning("%s: unsafe=true: model-written code runs WITHOUT the OS-level sandbox (no namespaces, "
+                           "no seccomp, the trainer's filesystem and network are reachable); resource limits only", owner)
+            print(f"[ballast] WARNING: {owner} runs model-written code without isolation (unsafe: true)", file=sys.stderr)
+            return
+        iso = probe(bwrap_path)
+        if not iso.ok:
+            raise SandboxUnavailableError(
+                f"{owner} runs model-written code and needs the OS-level sandbox, which cannot be set up here: "
+                f"{'; '.join(iso.missing)}. Fix that (docs/reliability.md, 'Running model-written code'), or set "
+                "unsafe: true in its config to run the code without isolation")
+        self.isolation = iso
+
+    async def run(self, program: str | bytes, stdin: str | bytes = b"", *, timeout_s: float | None = None) -> SandboxResult:
+        """Run `program` (Python source) with `stdin`; never raises for anything the program does."""
+        program = program.encode("utf-8", errors="surrogatepass") if isinstance(program, str) else program
+        stdin = stdin.encode("utf-8", errors="surrogatepass") if isinstance(stdin, str) else stdin
+        timeout = float(timeout_s or self.limits.timeout_s)
+        start = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="ballast-sandbox-") as scratch:
+            launch = _Launch(self, program, timeout, scratch)
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    *launch.argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.PIPE, pass_fds=launch.pass_fds, close_fds=True, env={},
+                    cwd=launch.cwd, start_new_session=True)
+            except OSError as err:
+                launch.close()
+                return SandboxResult(b"", f"the sandbox did not start: {err}".encode(), None, "sandbox_error", False,
+                                     time.perf_counter() - start, not self.unsafe)
+            launch.close_child_ends()
+            try:
+                streams, truncated, timed_out = await _collect(proc, stdin, timeout, self.limits.max_output_bytes)
+            finally:
+                launch.terminate(proc)
+                await _drain_and_reap(proc)
+                started = launch.finish()
+        return _result(streams, proc.returncode, truncated, timed_out, started, time.perf_counter() - start,
+                       not self.unsafe)
+
+    def run_sync(self, program: str | bytes, stdin: str | bytes = b"", *, timeout_s: float | None = None) -> SandboxResult:
+        """`run` from plain (non-async) code, e.g. a reward function's worker thread."""
+        return asyncio.run(self.run(program, stdin, timeout_s=timeout_s))
+
+    def rlimits(self, timeout_s: float) -> list[tuple[str, int]]:
+        lim = self.limits
+        limits = [("RLIMIT_AS", lim.memory_bytes), ("RLIMIT_CPU", math.ceil(timeout_s) + 1),
+                  ("RLIMIT_FSIZE", lim.tmpfs_bytes), ("RLIMIT_NOFILE", lim.max_open_files), ("RLIMIT_CORE", 0)]
+        if self.unsafe or self.isolation.process_cap == "rlimit":
+            limits.append(("RLIMIT_NPROC", lim.max_processes + 1))  # + the sandbox's init (pid 1)
+        return limits
+
+
+class _Launch:
+    """The command line and descriptors of one execution, and ending it: kill the sandbox's init (its
+    PID namespace dies with it), the launcher's process group, and every task of its cgroup."""
+
+    def __init__(self, sandbox: Sandbox, program: bytes, timeout_s: float, scratch: str):
+        self.sandbox, self.cgroup, self.info_r, self._fds, self._child_fds = sandbox, None, None, [], []
+        if sandbox.unsafe:
+            path = os.path.join(scratch, "main.py")
+            with open(path, "wb") as f:
+                f.write(program)
+            cfg = {"rlimits": sandbox.rlimits(timeout_s), "program": path}
+            self.argv = [os.path.realpath(sys.executable), "-I", "-S", "-B", "-c", RUNNER, json.dumps(cfg)]
+            self.pass_fds, self.cwd = (), scratch
+            return
+        iso = sandbox.isolation
+        runner_fd, program_fd, seccomp_fd = _memfd(RUNNER.encode()), _memfd(program), _memfd(iso.seccomp_bpf)
+        self.info_r, info_w = os.pipe()
+        os.set_blocking(self.info_r, False)
+        self._fds = [self.info_r]
+        self._child_fds = [runner_fd, program_fd, seccomp_fd, info_w]
+        cfg = {"rlimits": sandbox.rlimits(timeout_s), "program": PROGRAM_PATH}
+        self.argv = bwrap_command(iso, tmpfs_bytes=sandbox.limits.tmpfs_bytes, runner_fd=runner_fd,
+                                  program_fd=program_fd, seccomp_fd=seccomp_fd, info_fd=info_w,
+                                  runner_args=[json.dumps(cfg)])
+        if iso.process_cap == "cgroup":  # bwrap, its init and the program: the cap counts them all
+            self.cgroup = ExecutionCgroup(iso.cgroup_root, sandbox.limits.max_processes + 2)
+            self.argv = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', self.cgroup.procs_file, *self.argv]
+        self.pass_fds, self.cwd = tuple(self._child_fds), "/"
+
+    def close_child_ends(self) -> None:
+        for fd in self._child_fds:
+            os.close(fd)
+        self._child_fds = []
+
+    def close(self) -> None:
+        self.close_child_ends()
+        self.finish()
+
+    def terminate(self, proc) -> None:
+        if proc.returncode is None:
+            init_pid = self._init_pid()
+            if init_pid is not None:  # bwrap has not reaped its child yet, so the pid is still its
+                _kill(init_pid)
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if self.cgroup is not None:
+            self.cgroup.kill_all()
+
+    def _init_pid(self) -> int | None:
+        if self.info_r is None:
+            return None
         try:
-            output, truncated, timed_out = await _collect(proc, request.encode(), timeout_s, max_output_bytes)
-        finally:
-            _kill_group(proc)
-            await _drain_and_reap(proc)
-    return SandboxResult(output, proc.returncode, timed_out, truncated, time.perf_counter() - start)
+            self._info = getattr(self, "_info", b"") + os.read(self.info_r, 4096)
+        except (BlockingIOError, OSError):
+            pass
+        try:
+            return int(json.loads(self._info.decode())["child-pid"])
+        except (AttributeError, ValueError, KeyError, TypeError):
+            return None
+
+    def finish(self) -> bool:
+        """Close the rest and remove the cgroup; True if the sandbox got as far as starting the program."""
+        started = self.sandbox.unsafe or self._init_pid() is not None
+        for fd in self._fds:
+            os.close(fd)
+        self._fds, self.info_r = [], None
+        if self.cgroup is not None:
+            self.cgroup.remove()
+            self.cgroup = None
+        return started
 
 
-async def _collect(proc, request: bytes, timeout_s: float, cap: int) -> tuple[bytes, bool, bool]:
-    chunks, size = [], 0
-    deadline = time.monotonic() + timeout_s
+def _kill(pid: int) -> None:
     try:
-        proc.stdin.write(request)
-        await proc.stdin.drain()
-        proc.stdin.close()
-    except (BrokenPipeError, ConnectionResetError):  # the child died before reading
+        os.kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
         pass
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return b"".join(chunks), False, True
+
+
+async def _collect(proc, stdin: bytes, timeout_s: float, cap: int) -> tuple[dict, bool, bool]:
+    """({'stdout': bytes, 'stderr': bytes}, output cut at the cap, wall-clock limit hit)."""
+    chunks = {"stdout": [], "stderr": []}
+    size = [0]
+    full = asyncio.Event()
+
+    async def feed():
         try:
-            chunk = await asyncio.wait_for(proc.stdout.read(65536), left)
-        except asyncio.TimeoutError:
-            return b"".join(chunks), False, True
-        if not chunk:
-            return b"".join(chunks), False, False
-        chunks.append(chunk[: cap - size])
-        size += len(chunks[-1])
-        if size >= cap:
-            return b"".join(chunks), True, False
+            proc.stdin.write(stdin)
+            await proc.stdin.drain()
+        except (BrokenPipeError, ConnectionResetError):  # the program did not read it all
+            pass
+        finally:
+            proc.stdin.close()
+
+    async def read(name, stream):
+        while not full.is_set():
+            chunk = await stream.read(65536)
+            if not chunk:
+                return
+            room = cap - size[0]
+            chunks[name].append(chunk[:room])
+            size[0] += min(len(chunk), room)
+            if len(chunk) > room:
+                full.set()
+
+    tasks = [asyncio.ensure_future(feed()), asyncio.ensure_future(read("stdout", proc.stdout)),
+             asyncio.ensure_future(read("stderr", proc.stderr))]
+    waiter = asyncio.ensure_future(full.wait())
+    exited = asyncio.ensure_future(proc.wait())
+    finished = asyncio.gather(*tasks[1:], exited)
+    try:
+        await asyncio.wait([finished, waiter], timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        timed_out = not full.is_set() and not finished.done()
+    finally:
+        for task in (*tasks, waiter, exited, finished):
+            task.cancel()
+        await asyncio.gather(*tasks, waiter, exited, finished, return_exceptions=True)
+    return {k: b"".join(v) for k, v in chunks.items()}, full.is_set(), timed_out
 
 
 async def _drain_and_reap(proc, limit_s: float = 5.0) -> None:
-    """Close its stdin, read the killed child's stdout to its end, then reap it. asyncio's `wait()`
-    returns only once every pipe is closed too, and a reader that stopped at the output cap leaves
-    the transport paused with a full buffer: it would never see the end of the pipe, and `wait()`
-    would never return."""
+    """Read the ended sandbox's pipes to their end, then reap it. asyncio's `wait()` returns only once
+    every pipe is closed, and a reader that stopped at the output cap leaves its transport paused with
+    a full buffer: it would never see the end of the pipe."""
     async def finish():
-        proc.stdin.close()  # closing twice is harmless; a child that died before reading left it open
-        while await proc.stdout.read(1 << 16):
-            pass
+        if not proc.stdin.is_closing():
+            proc.stdin.close()
+        for stream in (proc.stdout, proc.stderr):
+            while await stream.read(1 << 16):
+                pass
         await proc.wait()
 
     try:
         await asyncio.wait_for(finish(), limit_s)
-    except asyncio.TimeoutError:  # something else holds the pipe open: leave it to the kill
+    except asyncio.TimeoutError:  # something else holds a pipe open: the kill already went out
         pass
 
 
-def _kill_group(proc) -> None:
-    if proc.returncode is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+def _result(streams: dict, code: int | None, truncated: bool, timed_out: bool, started: bool, seconds: float,
+            isolated: bool) -> SandboxResult:
+    stdout, stderr = streams["stdout"], streams["stderr"]
+    if timed_out:
+        reason = "timeout"
+    elif truncated:
+        reason = "output_limit"
+    elif not started:
+        reason = "sandbox_error"
+    elif code == 0:
+        reason = None
+    elif code in (-signal.SIGXCPU, 128 + signal.SIGXCPU):
+        reason = "cpu_time"
+    elif b"MemoryError" in stderr[-4096:]:
+        reason = "memory"
+    elif code is not None and (code < 0 or code > 128):
+        reason = "killed"
+    else:
+        reason = "exit_status"
+    return SandboxResult(stdout, stderr, code, reason, truncated, seconds, isolated)
+
+
+__all__ = ["RUNNER", "Sandbox", "SandboxLimits", "SandboxResult", "SandboxUnavailableError"]

@@ -98,6 +98,7 @@ def prepare_typed(cfg: BallastConfig) -> PreparedRun:
     plan = plan_run(cfg, model, data.total_steps)
     _announce_precision(cfg, plan)
     _check_rollout_backend(cfg)
+    _check_code_reward(cfg, data)
     try:
         reward = RewardManager.from_config(tokenizer, cfg.custom_reward_function.path, cfg.custom_reward_function.name,
                                            cfg.data.reward_fn_key, overlong_buffer(cfg), cfg.reward.timeout_s,
@@ -105,6 +106,21 @@ def prepare_typed(cfg: BallastConfig) -> PreparedRun:
     except (ValueError, OSError, ImportError) as err:  # the messages name the file and the function
         raise InputError(str(err)) from err
     return PreparedRun(cfg=cfg, plan=plan, data=data, reward=reward)
+
+
+def _check_code_reward(cfg: BallastConfig, data) -> None:
+    """Rows scored by running their programs (`ballast.data.code_reward`) need the sandbox: build the
+    reward now, so a machine that cannot isolate the code refuses the run before any worker starts."""
+    from ballast.data.code_reward import check_code_sandbox
+    from ballast.tools import SandboxUnavailableError
+
+    if cfg.custom_reward_function.path or cfg.data.reward_fn_key != "data_source":
+        return  # a custom function builds its own (a CodeReward there is built, and checked, when its file loads)
+    sources = set(data.train_set.data_sources) | (set(data.val["data_source"]) if data.val is not None else set())
+    try:
+        check_code_sandbox(sources)
+    except SandboxUnavailableError as err:
+        raise InputError(f"data_source {', '.join(sorted(sources))}: {err}") from None
 
 
 def _announce_precision(cfg: BallastConfig, plan) -> None:

@@ -12,7 +12,7 @@ RULES = {
     "protocol": ({"protocol"}, {"ray"}),
     "balance": ({"balance"}, {"ray", "transformers"}),
     "models": ({"models"}, {"ray"}),
-    "data": ({"data", "models"}, {"ray"}),
+    "data": ({"data", "models", "tools"}, {"ray"}),  # tools: the sandbox the code-execution reward runs in
     "engine": ({"engine", "balance"}, {"ray"}),
     "single_controller": ({"single_controller", "protocol"}, set()),
     "tools": ({"tools"}, {"ray", "torch", "transformers"}),

@@ -1,14 +1,15 @@
-"""Tools: the calculator's exactness and bounds, the sandbox's limits, schemas and the yaml loader."""
+"""Tools: the calculator's exactness and bounds, the sandbox's limits and failing closed, the code
+interpreter's answers, schemas and the yaml loader."""
 
 import asyncio
 import time
 
 import pytest
 
-from ballast.tools import (CalculatorTool, PythonExpressionTool, Tool, ToolError, check_arguments, check_schema,
-                           load_tools)
+from ballast.tools import (CalculatorTool, CodeInterpreterTool, PythonExpressionTool, Sandbox, SandboxLimits,
+                           SandboxUnavailableError, Tool, ToolCall, ToolError, ToolExecutor, check_arguments,
+                           check_schema, load_tools)
 from ballast.tools.calculator import evaluate, format_number
-from ballast.tools.sandbox import run_expression
 
 
 @pytest.mark.parametrize("expr, value", [("123456789 * 987654321", 121932631112635269), ("7 / 2", 3.5),
@@ -32,22 +33,59 @@ def test_calculator_formats_whole_quotients_as_integers():
 
 
 def test_sandbox_limits_time_memory_output_and_escapes():
-    async def run(expr, **kw):  # a generous limit: a loaded box can take seconds to start an interpreter
-        return await run_expression(expr, **{"timeout_s": 30, "memory_bytes": 128 << 20, **kw})
-
-    ok = asyncio.run(run("sum(range(10)) * math.pi"))
-    assert not ok.failed and ok.text.startswith("141.37")
+    # generous limits: a loaded box can take seconds to start an interpreter
+    sandbox = Sandbox(SandboxLimits(timeout_s=30, memory_bytes=128 << 20, max_output_bytes=1000), owner="test")
+    ok = sandbox.run_sync("import math\nprint(sum(range(10)) * math.pi)")
+    assert ok.ok and ok.isolated and ok.text().startswith("141.37")
     start = time.perf_counter()
-    slow = asyncio.run(run("sum(i for i in range(10**12))", timeout_s=1))
-    assert slow.timed_out and time.perf_counter() - start < 4
-    assert "MemoryError" in asyncio.run(run("[0] * (10 ** 9)")).text
-    big = asyncio.run(run("'z' * (10 ** 6)", max_output_bytes=1000))
-    assert big.truncated and len(big.output) == 1000
-    for escape in ("().__class__.__bases__", "open('/etc/passwd').read()", "__import__('os').system('true')"):
-        result = asyncio.run(run(escape))
-        assert result.failed, escape
-    tool = PythonExpressionTool({"timeout_s": 30})  # the interpreter start-up alone can take over 1 s on a loaded box
+    slow = sandbox.run_sync("while True: pass", timeout_s=1)
+    assert slow.reason == "timeout" and time.perf_counter() - start < 4
+    assert sandbox.run_sync("x = bytearray(10 ** 9)").reason == "memory"
+    big = sandbox.run_sync("print('z' * 10 ** 6)")
+    assert big.reason == "output_limit" and big.truncated and len(big.stdout) == 1000
+    echo = sandbox.run_sync("import sys\nprint(sys.stdin.read()[::-1], file=sys.stderr)\nraise SystemExit(3)", "abc")
+    assert (echo.stderr, echo.exit_code, echo.reason) == (b"cba\n", 3, "exit_status")
+    tool = PythonExpressionTool({"timeout_s": 30})
     assert asyncio.run(tool.execute("i", {"expression": "1/0"})).error == "exception"
+    for escape in ("().__class__.__bases__", "open('/etc/passwd').read()", "__import__('os').system('true')"):
+        assert asyncio.run(tool.execute("i", {"expression": escape})).error == "exception", escape
+
+
+def test_tools_that_run_code_refuse_to_start_without_the_sandbox(tmp_path):
+    missing = str(tmp_path / "no-bwrap")
+    for cls, name in ((PythonExpressionTool, "python"), (CodeInterpreterTool, "code_interpreter")):
+        with pytest.raises(SandboxUnavailableError, match=f"tool '{name}'.*bwrap binary.*unsafe: true"):
+            cls({"bwrap_path": missing})
+    path = tmp_path / "tools.yaml"
+    path.write_text(f"tools:\n  - class_name: code_interpreter\n    config: {{type: native, bwrap_path: {missing}}}\n")
+    with pytest.raises(ValueError, match=r"tools.yaml tools\[0\]: tool 'code_interpreter' .*bwrap binary"):
+        load_tools(str(path))
+    with pytest.raises(ValueError, match="unsafe='yes' must be true or false"):
+        CodeInterpreterTool({"unsafe": "yes"})
+
+
+def test_unsafe_runs_without_isolation_loudly(tmp_path, caplog, capsys):
+    with caplog.at_level("WARNING"):
+        tool = CodeInterpreterTool({"unsafe": True, "bwrap_path": str(tmp_path / "no-bwrap"), "timeout_s": 30})
+    assert "WITHOUT the OS-level sandbox" in caplog.text and "without isolation" in capsys.readouterr().err
+    response = asyncio.run(tool.execute("i", {"code": "print(1 + 1)"}))
+    assert response.text == "2\n" and response.metrics["sandbox_unsafe"] == 1.0
+
+
+def test_code_interpreter_reports_stdout_stderr_and_how_it_ended():
+    tool = CodeInterpreterTool({"timeout_s": 30, "max_output_bytes": 4096})
+    executor = ToolExecutor({tool.name: tool}, max_response_length=64, truncate_side="right")
+    program = "import sys\nprint('out')\nprint('err', file=sys.stderr)\nsys.exit(2)"
+    [call] = asyncio.run(executor.run_turn([ToolCall("code_interpreter", {"code": program})]))
+    assert (call.text, call.error) == ("out\nerr\nexit status 2", "exception")
+    [long] = asyncio.run(executor.run_turn([ToolCall("code_interpreter", {"code": "print('y' * 500)"})]))
+    assert long.text == "y" * 64 + "...(truncated)" and long.error is None  # max_tool_response_length
+    crash = asyncio.run(tool.execute("i", {"code": "1/0"}))
+    assert crash.text.startswith('Traceback (most recent call last):\n  File "/sandbox/main.py", line 1')
+    assert "ZeroDivisionError" in crash.text and "runner" not in crash.text  # it starts at the model's program
+    assert asyncio.run(tool.execute("i", {"code": ""})).text == "(no output)"
+    with pytest.raises(ToolError, match="at most 20000"):
+        asyncio.run(tool.execute("i", {"code": "#" * 20001}))
 
 
 def test_schemas_and_arguments_are_checked():
@@ -70,6 +108,10 @@ def test_tool_yaml_loading(tmp_path):
                     "  - class_name: ballast.tools.python_expr.PythonExpressionTool\n    config: {type: native}\n")
     tools = load_tools(str(path))
     assert sorted(tools) == ["calculator", "python"] and tools["calculator"].timeout_s == 2
+    path.write_text("tools:\n  - class_name: code_interpreter\n    config: {type: native, default_timeout: 3, "
+                    "memory_limit_mb: 64}\n")  # verl's names for the two limits
+    interpreter = load_tools(str(path))["code_interpreter"]
+    assert (interpreter.limits.timeout_s, interpreter.limits.memory_bytes) == (3, 64 << 20)
     for text, why in [("tools: 3", "top-level 'tools:' list"), ("tools:\n  - class_name: nope.Tool", "cannot import"),
                       ("tools:\n  - class_name: calculator\n  - class_name: calculator", "second tool named"),
                       ("tools:\n  - class_name: calculator\n    config: {type: mcp}", "only 'native'"),
