@@ -13,6 +13,14 @@
 #   docker run --gpus all --ipc=host --network host --entrypoint scripts/ray_cluster.sh ballast:gpu head --block
 #   docker run --gpus all --ipc=host --entrypoint scripts/gpu_smoke.sh ballast:gpu
 #
+# Model-written code (the python / code_interpreter tools, code-execution rewards) runs in a bubblewrap
+# sandbox that needs unprivileged user namespaces, which Docker's default seccomp and AppArmor profiles
+# refuse: add `--security-opt seccomp=unconfined --security-opt apparmor=unconfined` (or profiles that
+# allow unshare/clone(CLONE_NEWUSER), mount and pivot_root), and on Ubuntu >= 23.10 hosts
+# `sysctl kernel.apparmor_restrict_unprivileged_userns=0`. Without them those tools and rewards refuse
+# to start (naming what is missing); runs without them are unaffected. The image's user is not root, so
+# each sandbox's process cap is RLIMIT_NPROC (no cgroup needed). See docs/reliability.md.
+#
 # --ipc=host (or a large --shm-size, e.g. 16g): NCCL between the GPU worker processes of one node,
 # Ray's object store and PyTorch's shared-memory tensors all live in /dev/shm, which Docker caps at
 # 64 MB by default; NCCL then fails or hangs once two workers share a node.
@@ -40,6 +48,7 @@ ENV DEBIAN_FRONTEND=noninteractive \
 # Ubuntu 24.04's Python is 3.12 (vllm 0.33 supports 3.11-3.14); a venv keeps pip away from the system one.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv python3-dev git ca-certificates build-essential \
+       libseccomp2 \
     && rm -rf /var/lib/apt/lists/* \
     && python3 -m venv /opt/venv \
     && pip install --upgrade pip setuptools wheel
