@@ -10,6 +10,7 @@ Public API:
     make_repeat_rows(...), write_repeat_dataset(out_dir, ...)   # synthetic task
     repeat_score, gsm8k_score, default_compute_score, get_reward_fn, register_reward_fn,
     validate_score, load_custom_reward_fn                      # rewards
+    score_extra_info, ROLLOUT_EXTRA_INFO_KEYS                  # what a score function's extra_info holds
     gsm8k_rows, convert_gsm8k_file                             # GSM8K preprocessing
     make_arithmetic_rows, write_arithmetic_dataset, arithmetic_score  # real-model arithmetic task
     make_tool_arithmetic_rows, write_tool_arithmetic_dataset, tool_arithmetic_score  # ... with a calculator
@@ -27,6 +28,7 @@ from ballast.data.gsm8k import convert_gsm8k_file, gsm8k_rows
 from ballast.data.io import read_rows, write_jsonl, write_parquet
 from ballast.data.loader import ResumableSampler, StatefulDataLoader
 from ballast.data.rewards import (
+    ROLLOUT_EXTRA_INFO_KEYS,
     default_compute_score,
     extract_gsm8k_answer,
     get_reward_fn,
@@ -35,6 +37,7 @@ from ballast.data.rewards import (
     register_reward_fn,
     registered_data_sources,
     repeat_score,
+    score_extra_info,
     validate_score,
 )
 from ballast.data.synthetic import DATA_SOURCE as REPEAT_DATA_SOURCE
@@ -69,6 +72,8 @@ __all__ = [
     "register_reward_fn",
     "registered_data_sources",
     "repeat_score",
+    "ROLLOUT_EXTRA_INFO_KEYS",
+    "score_extra_info",
     "validate_score",
     "REPEAT_DATA_SOURCE",
     "make_repeat_rows",

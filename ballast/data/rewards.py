@@ -6,6 +6,17 @@ Every score function follows verl's convention::
 
 A dict must hold a ``"score"``; its other entries are extra per-sample values (for metrics).
 `validate_score` checks a returned value and turns it into a dict, naming the row on failure.
+
+`extra_info` is the row's own ``extra_info`` plus what verl's reward managers add about the rollout
+(`score_extra_info`, the keys of `ROLLOUT_EXTRA_INFO_KEYS`):
+
+    num_turns              int: turns of the conversation, verl's count (assistant + tool/user + 1;
+                           2 for a single generated answer)
+    tool_rewards           list[float]: the reward of each tool call the agent loop answered, in order
+    turn_scores            list[float]: per-turn scores a loop recorded (the shipped loops record none)
+    rollout_reward_scores  dict: always empty (verl 0.9.1's agent loops leave it empty too)
+
+On a name clash the rollout's value replaces the row's, as in verl.
 """
 
 from __future__ import annotations
@@ -18,13 +29,11 @@ import numbers
 import os
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 from ballast.data.arithmetic import arithmetic_score
-from ballast.data.code_reward import DATA_SOURCES as CODE_DATA_SOURCES
-from ballast.data.code_reward import code_score
 from ballast.data.tool_arithmetic import tool_arithmetic_score
 
 ScoreFn = Callable[..., "float | dict"]
@@ -123,7 +132,6 @@ _REGISTRY: dict[str, ScoreFn] = {
     "openai/gsm8k": gsm8k_score,
     "ballast/arithmetic": arithmetic_score,
     "ballast/tool_arithmetic": tool_arithmetic_score,
-    **{source: code_score for source in CODE_DATA_SOURCES},  # programs run against tests in the sandbox
 }
 
 
@@ -154,6 +162,20 @@ def registered_data_sources() -> list[str]:
 def default_compute_score(data_source: str, solution_str: str, ground_truth, extra_info=None):
     """Dispatch to the registered function for `data_source` (verl's default_compute_score role)."""
     return get_reward_fn(data_source)(data_source, solution_str, ground_truth, extra_info)
+
+
+ROLLOUT_EXTRA_INFO_KEYS = ("num_turns", "tool_rewards", "turn_scores", "rollout_reward_scores")
+
+
+def score_extra_info(extra_info: Mapping | None, *, num_turns: int, tool_rewards: Sequence[float],
+                     turn_scores: Sequence[float]) -> dict:
+    """The `extra_info` a score function receives for one sample: a copy of the row's `extra_info`
+    (None: none) with the rollout's keys (module docstring) set over it. The row's dict is not
+    changed, so the n samples of one prompt, which share it, each see their own conversation."""
+    if extra_info is not None and not isinstance(extra_info, Mapping):
+        raise TypeError(f"extra_info must be a dict, got {type(extra_info).__name__} {extra_info!r}")
+    return {**(extra_info or {}), "num_turns": int(num_turns), "tool_rewards": [float(r) for r in tool_rewards],
+            "turn_scores": [float(s) for s in turn_scores], "rollout_reward_scores": {}}
 
 
 def validate_score(value, *, index: int, data_source: str) -> dict:

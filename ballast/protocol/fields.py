@@ -26,6 +26,13 @@ field fails there with its name rather than as a broadcast error deep in a loss 
 | uid | (B,) | object | prompt id shared by the n samples of one prompt (GRPO groups) |
 | data_source | (B,) | object | name of the data set a sample came from; selects the reward function |
 | reward_model | (B,) | object | per-sample dict with at least "ground_truth" for the rule reward |
+| extra_info | (B,) | object | the dataset row's dict; the score function gets it with the rollout's keys |
+| agent_num_turns | (B,) | int64 | agent-loop rollouts (numpy): turns of the conversation, verl's count |
+| agent_tool_rewards | (B,) | object | agent-loop rollouts: list of each answered tool call's reward |
+| agent_turn_scores | (B,) | object | agent-loop rollouts: list of per-turn scores the loop recorded |
+
+Non-tensor fields are numpy arrays (an int64 one too). The agent-loop columns are written by the
+request-level rollout (`ballast.workers.agent_loop.output`); the reward reads the last three.
 """
 
 from __future__ import annotations
@@ -88,6 +95,10 @@ FIELDS: dict[str, FieldSpec] = {
         FieldSpec("uid", ("B",), _OBJ, "prompt id shared by the n samples of one prompt"),
         FieldSpec("data_source", ("B",), _OBJ, "data set a sample came from; selects the reward function"),
         FieldSpec("reward_model", ("B",), _OBJ, 'per-sample dict with at least "ground_truth"'),
+        FieldSpec("extra_info", ("B",), _OBJ, "the dataset row's dict (the score function's extra_info)"),
+        FieldSpec("agent_num_turns", ("B",), np.dtype(np.int64), "turns of the conversation (verl's count)"),
+        FieldSpec("agent_tool_rewards", ("B",), _OBJ, "list of each answered tool call's reward"),
+        FieldSpec("agent_turn_scores", ("B",), _OBJ, "list of per-turn scores the loop recorded"),
     ]
 }
 

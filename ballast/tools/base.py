@@ -10,7 +10,9 @@ function schema::
 For each call the agent loop runs `create` -> `execute(instance_id, arguments)` -> `release`, as verl's
 `BaseTool` does, so stateful tools (a sandbox session, an environment) keep per-conversation state.
 `execute` may return a `ToolResponse`, a plain string, or verl's `(response, reward, metrics)` tuple;
-`normalize_result` turns any of them into a `ToolResponse`. Arguments are checked against the schema
+`normalize_result` turns any of them into a `ToolResponse`. A reward is not added to the sample's
+reward: it reaches the score function in `extra_info["tool_rewards"]`, as in verl (docs/agent_loop.md,
+"What the score function receives"). Arguments are checked against the schema
 (`check_arguments`) before `execute` sees them, so a tool can trust their names and basic types.
 """
 

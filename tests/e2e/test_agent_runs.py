@@ -6,6 +6,7 @@ tests/unit/agent_loop/test_rollout_correction_alignment.py (no correction reads 
 and tests/distributed/vllm/test_vllm_async.py (multi-turn rollout log-probs equal teacher-forced ones)."""
 
 import math
+import os
 
 import pytest
 
@@ -45,9 +46,13 @@ def test_tool_agent_run_reports_agent_metrics_and_corrects_rollouts(session, tmp
              "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3", "trainer.test_freq=2",
              "actor_rollout_ref.rollout.agent.max_concurrent_conversations=4",
              "actor_rollout_ref.rollout.calculate_log_probs=True", "+algorithm/rollout_correction=decoupled_token_is",
-             "algorithm.rollout_correction.rollout_rs=seq_max_k3", "algorithm.rollout_correction.rollout_rs_threshold=5.0"]
+             "algorithm.rollout_correction.rollout_rs=seq_max_k3", "algorithm.rollout_correction.rollout_rs_threshold=5.0",
+             # asserts what extra_info holds (training and validation) and returns what it saw
+             f"custom_reward_function.path={os.path.join(os.path.dirname(__file__), 'agent_extra_info_reward.py')}"]
     with session("tools", *extra) as trainer:
         metrics = trainer.fit()
+    assert metrics["reward_extra/seen_num_turns/mean"] == pytest.approx(metrics["agent/num_turns/mean"])
+    assert metrics["reward_extra/seen_tool_calls/mean"] == pytest.approx(metrics["agent/tool_calls/mean"])
     missing = [k for k in AGENT_METRICS + ["val/" + k for k in AGENT_METRICS] if k not in metrics]
     assert not missing, missing
     assert all(math.isfinite(metrics[k]) for k in AGENT_METRICS)

@@ -14,6 +14,12 @@ result is recorded whole, "score" included. `acc` is the score before the overlo
 verl. Only the `dapo` manager applies `reward_model.overlong_buffer` (verl's `naive` ignores it, so
 the config refuses that combination instead).
 
+The function's `extra_info` is the row's own plus verl's rollout keys (`num_turns`, `tool_rewards`,
+`turn_scores`, `rollout_reward_scores`; `ballast.data.rewards.score_extra_info`), read from the agent
+loop's columns; batched rollouts (no agent columns) are single generated answers: 2 turns, no tool
+rewards. A row whose own extra_info has one of those keys gets the rollout's value instead, as in
+verl, with a warning once per key.
+
 `reward.timeout_s` bounds one call: the function then runs on a helper thread and a call that does
 not return in time stops the run (a hung score function would otherwise hang the run, and no worker
 timeout covers the driver). `reward.timeout_s=null` runs it on the main thread without a limit, for
@@ -22,6 +28,7 @@ functions that need the main thread (e.g. ones that use `signal.alarm` themselve
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections import defaultdict
@@ -31,8 +38,16 @@ from typing import Callable, Dict, Optional, Tuple
 import numpy as np
 import torch
 
-from ballast.data import default_compute_score, load_custom_reward_fn, validate_score
-from ballast.protocol import Batch
+from ballast.data import (
+    ROLLOUT_EXTRA_INFO_KEYS, default_compute_score, load_custom_reward_fn, score_extra_info, validate_score,
+)
+from ballast.protocol import Batch, check_fields
+
+logger = logging.getLogger(__name__)
+
+# verl's count for a prompt and one generated answer (its single-turn agent loop's num_turns)
+SINGLE_ANSWER_NUM_TURNS = 2
+AGENT_TURN_COLUMNS = ("agent_num_turns", "agent_tool_rewards", "agent_turn_scores")
 
 
 class RewardFunctionError(ValueError):
@@ -119,6 +134,7 @@ class RewardManager:
         # One batch at a time: with off-policy overlap a generated-ahead batch is scored on the rollout
         # pipeline's thread while validation may score on the main thread.
         self._busy = threading.Lock()
+        self._warned_clashes: set = set()
 
     @classmethod
     def from_config(cls, tokenizer, path: Optional[str], name: str, reward_fn_key: str,
@@ -148,8 +164,8 @@ class RewardManager:
         sources = batch[self.reward_fn_key] if self.reward_fn_key in batch else np.array(["unknown"] * len(batch))
         truths = batch["ground_truth"] if "ground_truth" in batch else [
             (rm or {}).get("ground_truth") for rm in batch["reward_model"]]
-        extra_infos = batch["extra_info"] if "extra_info" in batch else [None] * len(batch)
         rows = batch["index"] if "index" in batch else None
+        extra_infos = self._extra_infos(batch, rows)
         scores = torch.zeros(responses.shape, dtype=torch.float32)
         extras: Dict[str, list] = defaultdict(list)
         for i, length in enumerate(lengths):
@@ -182,6 +198,24 @@ class RewardManager:
             if last_sampled[i] >= 0:
                 scores[i, last_sampled[i]] = score
         return scores, {k: np.asarray(v) for k, v in extras.items() if len(v) == len(lengths)}
+
+    def _extra_infos(self, batch: Batch, rows) -> list:
+        """Each sample's `extra_info` for the score function (module docstring)."""
+        n = len(batch)
+        own = batch["extra_info"] if "extra_info" in batch else [None] * n
+        if "agent_num_turns" in batch:
+            check_fields(batch, AGENT_TURN_COLUMNS)
+            turns, tool_rewards, turn_scores = (batch[k] for k in AGENT_TURN_COLUMNS)
+        else:  # batched rollouts: one generated answer per prompt
+            turns, tool_rewards, turn_scores = [SINGLE_ANSWER_NUM_TURNS] * n, [()] * n, [()] * n
+        for i, info in enumerate(own):
+            for key in set(info or ()) & set(ROLLOUT_EXTRA_INFO_KEYS) - self._warned_clashes:
+                self._warned_clashes.add(key)
+                where = f"dataset row {rows[i]}" if rows is not None else f"batch position {i}"
+                logger.warning("%s: extra_info[%r] is replaced by the rollout's %r for the score function "
+                               "(as in verl); rename the dataset's key to keep it", where, key, key)
+        return [score_extra_info(own[i], num_turns=turns[i], tool_rewards=tool_rewards[i],
+                                 turn_scores=turn_scores[i]) for i in range(n)]
 
     def _record(self, extras: Dict[str, list], result: dict, returned_number: bool) -> None:
         """The per-sample values this manager keeps from one score-function result (module docstring)."""

@@ -66,6 +66,9 @@ class AgentLoopOutput:
     reward_score: float | None = None     # a score the loop computed itself (None: the reward function's)
     token_versions: list[int] | None = None  # partial rollouts: per response token, the weight version that
     #                                          sampled it (-1 on inserted tokens); None: the call's weights
+    # verl's per-conversation lists, handed to the score function in extra_info (ballast.data.rewards):
+    tool_rewards: list[float] = field(default_factory=list)  # each answered tool call's reward, in order
+    turn_scores: list[float] = field(default_factory=list)   # per-turn scores (e.g. of a simulated user)
 
 
 class Transcript:
@@ -109,13 +112,15 @@ class Transcript:
             self.log_probs.extend([0.0] * len(ids))
 
     def output(self, stop: StopReason, num_turns: int, info: dict | None = None,
-               reward_score: float | None = None) -> AgentLoopOutput:
+               reward_score: float | None = None, tool_rewards: Sequence[float] = (),
+               turn_scores: Sequence[float] = ()) -> AgentLoopOutput:
         info = dict(info or {})
         info.setdefault("model_tokens", float(sum(self.mask)))
         info.setdefault("tool_tokens", float(len(self.mask) - sum(self.mask)))
         return AgentLoopOutput(self.prompt_ids, list(self.response_ids), list(self.mask),
                                None if self.log_probs is None else list(self.log_probs), stop, num_turns, info,
-                               reward_score, list(self.versions) if self._any_version else None)
+                               reward_score, list(self.versions) if self._any_version else None,
+                               [float(r) for r in tool_rewards], [float(s) for s in turn_scores])
 
 
 @dataclass

@@ -42,7 +42,7 @@ class SingleTurnAgentLoop(AgentLoop):
 
 
 _COUNTERS = ("tool_calls", "tool_errors", "tool_timeouts", "malformed_tool_calls", "unknown_tool_calls",
-             "tool_calls_dropped", "tool_latency_s", "tool_latency_max_s", "tool_reward")
+             "tool_calls_dropped", "tool_latency_s", "tool_latency_max_s")
 
 
 @register("tool_agent")
@@ -61,6 +61,7 @@ class ToolAgentLoop(AgentLoop):
             prompt, info["prompt_truncated"] = prompt[-ctx.prompt_length:], 1.0
         t = Transcript(prompt, with_log_probs=ctx.sampling.calculate_log_probs)
         assistant = user = 0
+        tool_rewards: list[float] = []
         while True:
             out = await ctx.engine.generate(TurnRequest(t.ids, ctx.budget(t), sample.seed(assistant)))
             t.add_sampled(out.token_ids, out.log_probs, out.versions)
@@ -80,6 +81,7 @@ class ToolAgentLoop(AgentLoop):
                 break
             results = await ctx.tools.run_turn(calls, (sample.extra_info or {}).get("tools_kwargs"))
             _count(info, calls, results)
+            tool_rewards.extend(_call_reward(r) for r in results)
             tool_messages = [{"role": "tool", "content": chat.normalize(r.text)} for r in results]
             inserted = chat.insertion_ids(tool_messages, stop_text, schemas)
             if len(t) + len(inserted) >= ctx.response_length:  # no room left for the model to reply
@@ -94,7 +96,14 @@ class ToolAgentLoop(AgentLoop):
             info["tokenization_mismatch"] = float(diff is not None)
             if diff is not None:
                 logger.warning("row %d: tokenization sanity check (%s): %s", sample.row, chat.sanity_mode, diff)
-        return t.output(reason, num_turns=assistant + user + 1, info=info)
+        return t.output(reason, num_turns=assistant + user + 1, info=info, tool_rewards=tool_rewards)
+
+
+def _call_reward(result) -> float:
+    """A call's entry in `tool_rewards`: the tool's reward, 0.0 where it gave none or the call failed
+    (verl's loop records 0.0 for an unknown tool, bad arguments or an exception, and its function
+    tools 0.0 for a response without a reward)."""
+    return 0.0 if result.reward is None else float(result.reward)
 
 
 def _count(info: dict, calls, results) -> None:
@@ -107,4 +116,3 @@ def _count(info: dict, calls, results) -> None:
         info["unknown_tool_calls"] += r.error == "unknown_tool"
         info["tool_latency_s"] += r.latency_s
         info["tool_latency_max_s"] = max(info["tool_latency_max_s"], r.latency_s)
-        info["tool_reward"] += r.reward or 0.0

@@ -29,7 +29,7 @@ from ballast.workers.agent_loop.base import AgentLoopOutput
 # data-parallel ranks running different loops still concatenate; other info keys are not kept.
 INFO_KEYS = ("model_tokens", "tool_tokens", "assistant_turns", "tool_calls", "tool_errors", "tool_timeouts",
              "malformed_tool_calls", "unknown_tool_calls", "tool_calls_dropped", "tool_latency_s",
-             "tool_latency_max_s", "tool_reward", "tokenization_mismatch", "prompt_truncated")
+             "tool_latency_max_s", "tokenization_mismatch", "prompt_truncated")
 
 
 def assemble(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
@@ -92,13 +92,16 @@ def assemble(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids
 
 
 def sample_columns(outputs: Sequence[AgentLoopOutput], names: Sequence[str]) -> dict[str, np.ndarray]:
-    """Per-sample numpy columns: loop name, stop reason, turns, the loop's own score (None: none), and
+    """Per-sample numpy columns: loop name, stop reason, turns, the loop's own score (None: none), its
+    tool rewards and turn scores (lists; the score function's extra_info, see ballast.data.rewards), and
     `agent_<key>` for every key of INFO_KEYS (0 where the loop did not report it)."""
     columns = {
         "agent_name": _objects(names),
         "agent_stop_reason": _objects([o.stop_reason.value for o in outputs]),
         "agent_num_turns": np.array([o.num_turns for o in outputs], dtype=np.int64),
         "agent_reward_score": _objects([o.reward_score for o in outputs]),
+        "agent_tool_rewards": _objects([list(o.tool_rewards) for o in outputs]),
+        "agent_turn_scores": _objects([list(o.turn_scores) for o in outputs]),
     }
     for key in INFO_KEYS:
         columns[f"agent_{key}"] = np.array([float(o.info.get(key, 0.0)) for o in outputs], dtype=np.float64)

@@ -20,8 +20,10 @@ def full_batch() -> Batch:
         shape = tuple(sizes[dim] for dim in spec.shape)
         if spec.is_tensor:
             tensors[name] = torch.zeros(shape, dtype=spec.dtype)
-        else:
+        elif spec.dtype == np.dtype(object):
             non_tensors[name] = np.array([{"ground_truth": "1"}] * NUM_SAMPLES, dtype=object)
+        else:
+            non_tensors[name] = np.zeros(shape, dtype=spec.dtype)
     return Batch(tensors, non_tensors)
 
 
