@@ -34,6 +34,8 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 from ballast.data.arithmetic import arithmetic_score
+from ballast.data.code_reward import DATA_SOURCES as CODE_DATA_SOURCES
+from ballast.data.code_reward import code_score
 from ballast.data.tool_arithmetic import tool_arithmetic_score
 
 ScoreFn = Callable[..., "float | dict"]
@@ -132,6 +134,7 @@ _REGISTRY: dict[str, ScoreFn] = {
     "openai/gsm8k": gsm8k_score,
     "ballast/arithmetic": arithmetic_score,
     "ballast/tool_arithmetic": tool_arithmetic_score,
+    **{source: code_score for source in CODE_DATA_SOURCES},  # programs run against tests in the sandbox
 }
 
 
