@@ -37,20 +37,21 @@ from ballast.tools.isolation import (PROGRAM_PATH, ExecutionCgroup, Isolation, S
 
 logger = logging.getLogger(__name__)
 
-# Runs first inside the sandbox: limits, then the program. Soft = hard, so the limits stay.
+# Runs first inside the sandbox (argv: the program's path, then NAME=VALUE rlimits): limits, then the
+# program. Soft = hard, so the limits stay. Only cheap imports before the program starts.
 RUNNER = r'''
-import json, os, resource, sys, traceback
+import os, resource, sys
 def _setup():
-    cfg = json.loads(sys.argv[1])
-    for name, value in cfg["rlimits"]:
-        kind = getattr(resource, name)
+    for item in sys.argv[2:]:  # NAME=VALUE
+        name, _, value = item.partition("=")
+        kind, value = getattr(resource, name), int(value)
         hard = resource.getrlimit(kind)[1]
         value = value if hard == resource.RLIM_INFINITY else min(value, hard)
         resource.setrlimit(kind, (value, value))
     os.closerange(3, 1 << 16)
-    sys.argv = [cfg["program"]]
-    with open(cfg["program"], "rb") as f:
-        return compile(f.read(), cfg["program"], "exec")
+    sys.argv = sys.argv[1:2]
+    with open(sys.argv[0], "rb") as f:
+        return compile(f.read(), sys.argv[0], "exec")
 _code = _setup()
 del _setup
 try:
@@ -58,6 +59,7 @@ try:
 except SystemExit:
     raise
 except BaseException as err:
+    import traceback
     traceback.print_exception(type(err), err, err.__traceback__.tb_next)
     sys.stderr.flush()
     os._exit(1)
@@ -189,8 +191,8 @@ class _Launch:
             path = os.path.join(scratch, "main.py")
             with open(path, "wb") as f:
                 f.write(program)
-            cfg = {"rlimits": sandbox.rlimits(timeout_s), "program": path}
-            self.argv = [os.path.realpath(sys.executable), "-I", "-S", "-B", "-c", RUNNER, json.dumps(cfg)]
+            self.argv = [os.path.realpath(sys.executable), "-I", "-S", "-B", "-c", RUNNER, path,
+                         *_limit_args(sandbox.rlimits(timeout_s))]
             self.pass_fds, self.cwd = (), scratch
             return
         iso = sandbox.isolation
@@ -199,10 +201,9 @@ class _Launch:
         os.set_blocking(self.info_r, False)
         self._fds = [self.info_r]
         self._child_fds = [runner_fd, program_fd, seccomp_fd, info_w]
-        cfg = {"rlimits": sandbox.rlimits(timeout_s), "program": PROGRAM_PATH}
         self.argv = bwrap_command(iso, tmpfs_bytes=sandbox.limits.tmpfs_bytes, runner_fd=runner_fd,
                                   program_fd=program_fd, seccomp_fd=seccomp_fd, info_fd=info_w,
-                                  runner_args=[json.dumps(cfg)])
+                                  runner_args=[PROGRAM_PATH, *_limit_args(sandbox.rlimits(timeout_s))])
         if iso.process_cap == "cgroup":  # bwrap, its init and the program: the cap counts them all
             self.cgroup = ExecutionCgroup(iso.cgroup_root, sandbox.limits.max_processes + 2)
             self.argv = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', self.cgroup.procs_file, *self.argv]
@@ -251,6 +252,10 @@ class _Launch:
             self.cgroup.remove()
             self.cgroup = None
         return started
+
+
+def _limit_args(limits: list[tuple[str, int]]) -> list[str]:
+    return [f"{name}={value}" for name, value in limits]
 
 
 def _kill(pid: int) -> None:
