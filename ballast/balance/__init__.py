@@ -8,12 +8,17 @@ micro-batches of every mini-batch (static, token-budget dynamic or length-bucket
 sync per mini-batch. Beside it: the workload models
 (:func:`workload_costs`, :class:`FlopsModel`), the raw-vs-balanced metrics (:func:`balance_metrics`)
 and :func:`inverse_permutation` to restore an order. The building blocks (Karmarkar-Karp, the
-lockstep planner ``plan_step``, packing, bucketing) live in their submodules.
+lockstep planner ``plan_step``, packing, bucketing) live in their submodules. Pipeline parallelism:
+:class:`PipelineShape` (ranks, virtual stages, schedule), the schedule simulator and stage split
+(:mod:`.pipeline`), :class:`PipelineCostModel` (:mod:`.pipeline_cost`); a policy that carries a cost
+model makes :func:`plan_phase` plan fixed-slot pipeline micro-batches (:mod:`.pipeline_plan`).
 """
 
 from .dp_balance import balance_metrics
 from .micro_batch import inverse_permutation
 from .phase_plan import MicroBatchMode, MicroBatchPolicy, MiniBatchPlan, PhasePlan, plan_phase
+from .pipeline import PipelineScheduleKind, PipelineShape
+from .pipeline_cost import PipelineCostModel
 from .step_plan import PlanObjective
 from .workload import VERL_LINEAR_COEFF, FlopsModel, Workload, workload_costs
 
@@ -23,6 +28,9 @@ __all__ = [
     "MicroBatchPolicy",
     "MiniBatchPlan",
     "PhasePlan",
+    "PipelineCostModel",
+    "PipelineScheduleKind",
+    "PipelineShape",
     "PlanObjective",
     "VERL_LINEAR_COEFF",
     "Workload",

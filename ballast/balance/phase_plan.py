@@ -41,6 +41,8 @@ from .bucketing import bucket_ids, check_bucket_boundaries, min_bucketed_micro_b
 from .dp_balance import balance_batch
 from .micro_batch import inverse_permutation, min_micro_batches, plan_dynamic_micro_batches
 from .partition import validate_partition
+from .pipeline_cost import PipelineCostModel
+from .pipeline_plan import plan_pipeline_micro_batches
 from .shared_prompts import PromptUnits, prompt_units, shared_lengths
 from .step_plan import plan_step
 from .workload import Workload, _as_lengths
@@ -55,15 +57,20 @@ class MicroBatchMode(str, enum.Enum):
 @dataclasses.dataclass(frozen=True)
 class MicroBatchPolicy:
     """How a mini-batch is cut on each rank: ``micro_batch_size`` rows (static) or at most
-    ``token_budget`` real tokens (dynamic, bucketed: the budget of the rank's whole SP group)."""
+    ``token_budget`` real tokens (dynamic, bucketed: the budget of the rank's whole SP group).
+    ``pipeline``: the engine is a pipeline, whose micro-batches travel in fixed slots, in counts and
+    an order planned with this cost model (:mod:`ballast.balance.pipeline_plan`; static or dynamic)."""
 
     mode: MicroBatchMode
     micro_batch_size: Optional[int] = None
     token_budget: Optional[int] = None
     bucket_boundaries: Optional[tuple[int, ...]] = None
+    pipeline: Optional[PipelineCostModel] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", MicroBatchMode(self.mode))
+        if self.pipeline is not None and self.mode is MicroBatchMode.BUCKETED:
+            raise ValueError("bucketed micro-batches do not run through a pipeline engine: use static or dynamic")
         if self.mode is MicroBatchMode.STATIC:
             if not isinstance(self.micro_batch_size, (int, np.integer)) or self.micro_batch_size < 1:
                 raise ValueError(f"a static micro-batch policy needs micro_batch_size >= 1, got {self.micro_batch_size!r}")
@@ -84,6 +91,7 @@ class MiniBatchPlan:
     micro_batches: tuple[tuple[np.ndarray, ...], ...]
     token_budget: Optional[int] = None  # the hard cap the engine checks (None: static)
     shared_prompts: bool = False  # rows sharing a prompt run it once (their tokens count it once)
+    slot_tokens: Optional[int] = None  # pipeline: every micro-batch travels in exactly this many tokens
 
     @property
     def dp_size(self) -> int:
@@ -171,6 +179,8 @@ def plan_phase(
     once; needs ``prompt_lengths``). Deterministic for a given seed.
     """
     if shared_prompts is not None:
+        if policy.pipeline is not None:
+            raise ValueError("shared prompts do not run through a pipeline engine (its slots pack rows, not prompts)")
         return _plan_shared(lengths, dp_size, policy, shared_prompts, prompt_lengths, mini_batch_samples=mini_batch_samples,
                             epochs=epochs, shuffle=shuffle, seed=seed, balance=balance, workload=workload,
                             group_ids=group_ids, objective=objective, partitions=partitions)
@@ -184,24 +194,28 @@ def plan_phase(
         if len(parts) != dp_size or mini_batch_samples is not None or epochs != 1 or shuffle:
             raise ValueError("a fixed partition plans one mini-batch of one epoch over exactly dp_size ranks")
         validate_partition(parts, n, k=dp_size)
-        micro = _micro_batches(tokens, buckets, parts, policy, workload)
-        return _assemble([(parts, micro)], policy, 1, metrics={})
+        micro, slot, extra = _micro_batches(tokens, buckets, parts, policy, workload)
+        return _assemble([(parts, micro, slot)], policy, 1, metrics=extra)
     size = n if mini_batch_samples is None else int(mini_batch_samples)
     if size < 1 or n % size or size % dp_size:
         raise ValueError(f"{n} rows do not split into mini-batches of {size} rows divisible by dp_size={dp_size}")
     rng = np.random.default_rng(seed) if shuffle else None
-    cuts, ratios = [], []
+    cuts, ratios, extras = [], [], []
     for _ in range(epochs):
         order = _epoch_order(n, rng, group_ids)
         for start in range(0, n, size):
             idx = order[start:start + size]
             groups = None if group_ids is None else np.asarray(group_ids)[idx]
-            parts, micro, ratio = _plan_mini_batch(tokens[idx], dp_size, policy, balance, workload, groups,
-                                                   None if buckets is None else buckets[idx], objective)
-            cuts.append(([idx[p] for p in parts], micro))
+            parts, (micro, slot, extra), ratio = _plan_mini_batch(
+                tokens[idx], dp_size, policy, balance, workload, groups, None if buckets is None else buckets[idx],
+                objective)
+            cuts.append(([idx[p] for p in parts], micro, slot))
+            extras.append(extra)
             if ratio is not None:
                 ratios.append(ratio)
-    metrics = {"plan/num_micro_batches": float(np.mean([len(m[0]) for _, m in cuts]))}
+    metrics = {"plan/num_micro_batches": float(np.mean([len(m[0]) for _, m, _ in cuts]))}
+    for key in extras[0]:
+        metrics[key] = float(np.mean([extra[key] for extra in extras]))
     if ratios:
         metrics["plan/lockstep_over_lower_bound"] = float(np.mean([r[0] for r in ratios]))
         metrics["plan/lockstep_over_attainable_bound"] = float(np.mean([r[1] for r in ratios]))
@@ -230,14 +244,16 @@ def _epoch_order(n: int, rng: Optional[np.random.Generator], group_ids: Any) -> 
 
 
 def _plan_mini_batch(tokens, dp_size, policy, balance, workload, groups, buckets, objective):
-    """(DP partition as local indices, micro-batches per rank, (lockstep ratios) or None)."""
-    if balance and policy.mode is MicroBatchMode.DYNAMIC:
+    """(DP partition as local indices, (micro-batches per rank, pipeline slot, pipeline metrics),
+    (lockstep ratios) or None). A pipeline's DP ranks meet once per mini-batch: the partition
+    balances their totals and the pipeline planner cuts and orders each rank's share."""
+    if balance and policy.mode is MicroBatchMode.DYNAMIC and policy.pipeline is None:
         kwargs = {} if objective is None else {"objective": objective}
         step = plan_step(tokens, dp_size, policy.token_budget, workload, group_ids=groups, **kwargs)
         ratio = (step.lockstep_cost / step.lower_bound if step.lower_bound > 0 else 1.0,
                  step.lockstep_cost / step.attainable_lower_bound if step.attainable_lower_bound > 0 else 1.0,
                  step.max_rank_total / step.rank_total_lower_bound if step.rank_total_lower_bound > 0 else 1.0)
-        return step.partitions, [tuple(rank) for rank in step.local_micro_batches()], ratio
+        return step.partitions, ([tuple(rank) for rank in step.local_micro_batches()], None, {}), ratio
     if balance:
         parts = balance_batch(tokens, dp_size, workload=workload, group_ids=groups).partitions
     else:
@@ -245,9 +261,14 @@ def _plan_mini_batch(tokens, dp_size, policy, balance, workload, groups, buckets
     return parts, _micro_batches(tokens, buckets, parts, policy, workload), None
 
 
-def _micro_batches(tokens, buckets, parts, policy: MicroBatchPolicy, workload) -> list[tuple[np.ndarray, ...]]:
-    """Each rank's micro-batches over its partition, the same count on every rank (empties pad a rank
-    that holds fewer rows than the count)."""
+def _micro_batches(tokens, buckets, parts, policy: MicroBatchPolicy, workload):
+    """(each rank's micro-batches over its partition, the same count on every rank (empties pad a rank
+    that holds fewer rows than the count); the pipeline slot or None; pipeline plan metrics)."""
+    if policy.pipeline is not None:
+        micro, slot, extra = plan_pipeline_micro_batches(
+            [tokens[p] for p in parts], policy.pipeline, token_budget=policy.token_budget,
+            micro_batch_size=policy.micro_batch_size, workload=workload)
+        return [tuple(rank) for rank in micro], slot, extra
     if policy.mode is MicroBatchMode.STATIC:
         size = policy.micro_batch_size
         per_rank = [[np.arange(s, min(s + size, len(p)), dtype=np.int64) for s in range(0, len(p), size)]
@@ -266,7 +287,7 @@ def _micro_batches(tokens, buckets, parts, policy: MicroBatchPolicy, workload) -
                         for t, b in zip(local, local_buckets)]
     count = max(len(rank) for rank in per_rank)
     empty = np.zeros(0, dtype=np.int64)
-    return [tuple(rank) + (empty,) * (count - len(rank)) for rank in per_rank]
+    return [tuple(rank) + (empty,) * (count - len(rank)) for rank in per_rank], None, {}
 
 
 def _assemble(cuts, policy: MicroBatchPolicy, epochs: int, metrics: dict) -> PhasePlan:
@@ -274,11 +295,11 @@ def _assemble(cuts, policy: MicroBatchPolicy, epochs: int, metrics: dict) -> Pha
     dp_size = len(cuts[0][0])
     per_rank: list[list[np.ndarray]] = [[] for _ in range(dp_size)]
     mini = []
-    for parts, micro in cuts:
+    for parts, micro, slot in cuts:
         for r, part in enumerate(parts):
             per_rank[r].append(np.asarray(part, dtype=np.int64))
         mini.append(MiniBatchPlan(tuple(tuple(np.asarray(mb, dtype=np.int64) for mb in rank) for rank in micro),
-                                  token_budget=policy.token_budget))
+                                  token_budget=policy.token_budget, slot_tokens=slot))
     empty = np.zeros(0, dtype=np.int64)
     rows = np.concatenate([np.concatenate(parts) if parts else empty for parts in per_rank])
     return PhasePlan(rows=rows, mini_batches=tuple(mini), policy=policy, epochs=epochs, metrics=metrics)
