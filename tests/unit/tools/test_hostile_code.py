@@ -116,6 +116,7 @@ CASES = {
                         "        print('raised', r)\n    except (ValueError, OSError) as e:\n        print(r, e)",
     "fork_bomb": "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
     "memory_bomb": "chunks = []\nwhile True:\n    chunks.append(bytearray(64 << 20))",
+    "fill_the_disk": "import os\nwith open('/tmp/{marker}', 'wb') as f:\n    while True:\n        f.write(b'x' * (1 << 20))",
     "child_left_running": "import os, sys\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
                           "        os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)', '{marker}'])\n"
                           "    os._exit(0)\nprint('daemon started')",
@@ -158,7 +159,8 @@ def check_outside(host, before, marker, texts):
 # The reason some cases must record: the tool call's error kind and the reward's failure counter.
 EXPECTED_REASON = {"fork_bomb": ("timeout", "timeouts"), "memory_bomb": ("exception", "resource_limits"),
                    "megabytes_of_output": ("exception", "resource_limits"),
-                   "shell_command": ("exception", "runtime_errors"), "signal_parent": (None, "wrong_answers")}
+                   "shell_command": ("exception", "runtime_errors"), "signal_parent": (None, "wrong_answers"),
+                   "fill_the_disk": ("exception", "runtime_errors")}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
