@@ -12,7 +12,9 @@ traceback is what the model needs); it is counted as the call's "exception" ("ti
 
 Config keys: `timeout_s` (5; verl's `default_timeout` is read too), `memory_mb` (256; verl's
 `memory_limit_mb` too), `max_output_bytes` (65536), `max_processes` (16), `tmpfs_mb` (16), `max_code_chars`
-(20000), `unsafe` (false), `bwrap_path` (optional); see `ballast.tools.sandbox`.
+(20000), `unsafe` (false), `bwrap_path` (optional); see `ballast.tools.sandbox`. Unlike verl's tool it runs
+Python only (`default_language` other than python is refused) and locally, not through a SandboxFusion
+service (`sandbox_fusion_url` is refused rather than ignored).
 """
 
 from __future__ import annotations
@@ -64,6 +66,11 @@ class CodeInterpreterTool(Tool):
             cfg.setdefault("timeout_s", cfg["default_timeout"])
         if "memory_limit_mb" in cfg:  # verl's name for the memory limit
             cfg.setdefault("memory_mb", cfg["memory_limit_mb"])
+        if cfg.get("default_language", "python") != "python":
+            raise ValueError(f"{where}: config.default_language={cfg['default_language']!r}: only python programs run here")
+        if "sandbox_fusion_url" in cfg:
+            raise ValueError(f"{where}: config.sandbox_fusion_url is verl's remote sandbox service; this tool runs "
+                             "programs locally in Ballast's OS-level sandbox: remove the key")
         self.limits = SandboxLimits.from_config(cfg, where)
         self.max_code_chars = int(cfg.get("max_code_chars", 20000))
         self.sandbox = Sandbox(self.limits, owner=where, unsafe=cfg.get("unsafe", False),

@@ -62,6 +62,10 @@ def test_tools_that_run_code_refuse_to_start_without_the_sandbox(tmp_path):
         load_tools(str(path))
     with pytest.raises(ValueError, match="unsafe='yes' must be true or false"):
         CodeInterpreterTool({"unsafe": "yes"})
+    with pytest.raises(ValueError, match="default_language='cpp': only python"):
+        CodeInterpreterTool({"default_language": "cpp"})
+    with pytest.raises(ValueError, match="sandbox_fusion_url is verl's remote sandbox service"):
+        CodeInterpreterTool({"sandbox_fusion_url": "http://localhost:8080/run_code"})
 
 
 def test_unsafe_runs_without_isolation_loudly(tmp_path, caplog, capsys):
