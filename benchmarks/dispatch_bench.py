@@ -18,16 +18,15 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import ray  # noqa: E402
 import torch  # noqa: E402
 
 from ballast.protocol import Batch  # noqa: E402
+from ballast.trainer.run.ray_session import open_local_ray  # noqa: E402
 from ballast.single_controller import Dispatch, RayWorkerGroup, ResourcePool, Worker, register  # noqa: E402
 
 
@@ -58,9 +57,8 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=4)
     args = parser.parse_args()
 
-    ray.init(num_cpus=args.workers, include_dashboard=False, log_to_driver=False,
-             _temp_dir=tempfile.mkdtemp(prefix="ray_", dir="/tmp"),
-             object_store_memory=max(2 * 2**30, 6 * args.mb * 2**20))
+    session = open_local_ray(num_cpus=args.workers, include_dashboard=False, log_to_driver=False,
+                             object_store_memory=max(2 * 2**30, 6 * args.mb * 2**20))
     sys.modules.setdefault("dispatch_bench", sys.modules[__name__])
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     pool = ResourcePool([args.workers], use_gpu=False, name="bench")
@@ -110,7 +108,7 @@ def main() -> None:
             json.dump(result, f, indent=2)
     group.kill()
     pool.remove()
-    ray.shutdown()
+    session.stop()
 
 
 if __name__ == "__main__":

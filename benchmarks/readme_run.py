@@ -80,7 +80,7 @@ def run_trainer(args: argparse.Namespace, seed: int, extra: List[str], log: str)
     """One run of the trainer (the README run + `extra`) in a subprocess: (metrics rows, wall s, exit code)."""
     with tempfile.TemporaryDirectory(prefix="readme_run_") as tmp:
         out_dir = os.path.join(tmp, "run")
-        env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", RAY_AUTH_MODE="disabled",
+        env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                    RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
                    VLLM_CACHE_ROOT=os.path.join(tmp, "vllm"), TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, "inductor"),
                    TMPDIR=tmp, PYTHONPATH=ROOT)

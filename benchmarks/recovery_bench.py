@@ -43,7 +43,7 @@ def _args(model, train, val, run_dir, steps, save_freq):
 
 def _launch(args, log):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(RAY_AUTH_MODE="disabled", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     return subprocess.Popen([sys.executable, "-m", "ballast.trainer.main", *args], env=env, cwd=str(REPO),
                             stdout=log, stderr=subprocess.STDOUT)
 

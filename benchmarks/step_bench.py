@@ -136,7 +136,7 @@ def forward_flops(model_dir: str, tokens_per_sample: float, response_tokens_per_
 
 # ------------------------------------------------------------------ Ballast
 def _env(tmp: str, root: str = ROOT) -> Dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", RAY_AUTH_MODE="disabled",
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                RAY_USAGE_STATS_ENABLED="0", WANDB_MODE="disabled", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                VLLM_NO_USAGE_STATS="1", BALLAST_CACHE_DIR=os.path.join(ROOT, ".cache"),
                VLLM_CACHE_ROOT=os.path.join(ROOT, ".cache", "vllm"),

@@ -8,7 +8,7 @@ cd "$ROOT"
 bash scripts/setup.sh
 # shellcheck disable=SC1091
 source .venv/bin/activate
-export OMP_NUM_THREADS=1 RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 WANDB_MODE="${WANDB_MODE:-offline}"
+export OMP_NUM_THREADS=1 RAY_USAGE_STATS_ENABLED=0 WANDB_MODE="${WANDB_MODE:-offline}"
 QS=.cache/quickstart
 [[ -f "$QS/model/config.json" ]] || python -m ballast.models --out "$QS/model"
 [[ -f "$QS/data/train.parquet" ]] || python examples/data/make_synthetic.py --out "$QS/data" --train-size 2048 \

@@ -9,7 +9,7 @@ cd "$ROOT"
 bash scripts/setup.sh
 # shellcheck disable=SC1091
 source .venv/bin/activate
-export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0
+export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false RAY_USAGE_STATS_ENABLED=0
 export WANDB_MODE="${WANDB_MODE:-offline}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 export BALLAST_CACHE_DIR="$ROOT/.cache" VLLM_CACHE_ROOT="$ROOT/.cache/vllm" TORCHINDUCTOR_CACHE_DIR="$ROOT/.cache/inductor"
 QS=.cache/quickstart

@@ -13,7 +13,6 @@ for key, value in {
     "OMP_NUM_THREADS": "1",
     "MKL_NUM_THREADS": "1",
     "TOKENIZERS_PARALLELISM": "false",
-    "RAY_AUTH_MODE": "disabled",
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_DEDUP_LOGS": "0",
     "WANDB_MODE": "disabled",
@@ -51,17 +50,16 @@ def ray_session():
     session directory and every process of it are gone after the session, like a run's own Ray."""
     import ray
 
-    from ballast.trainer.run.ray_session import RaySession, ray_temp_root
+    from ballast.trainer.run.ray_session import open_local_ray
 
     if ray.is_initialized():  # a test module that manages its own cluster shut it down or kept it
         ray.shutdown()
-    temp_dir = tempfile.mkdtemp(prefix="ray_", dir=ray_temp_root())
     # tests/ on the workers' path too: e2e configs name test doubles by import path (`testkit.*`)
     path = os.pathsep.join(p for p in (str(TESTS_DIR), os.environ.get("PYTHONPATH", "")) if p)
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, _temp_dir=temp_dir,
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "PYTHONPATH": path}})
+    session = open_local_ray(num_cpus=8, include_dashboard=False, log_to_driver=False,
+                             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "PYTHONPATH": path}})
     yield ray
-    RaySession(connected=True, temp_dir=temp_dir).stop()
+    session.stop()
 
 
 @pytest.fixture(scope="session")

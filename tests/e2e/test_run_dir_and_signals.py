@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from ballast.trainer.run import ray_watchdog
 from testkit.e2e import killed_on_exit, last_line, logged_steps, start_trainer, wait_for
+from testkit.procs import processes_using
 
 
 def _cli(task, run_dir, *extra):
@@ -87,7 +87,7 @@ def _hammer(proc, signum, seconds):
 
 def _assert_shutdown_finished(proc, out, err, code, line):
     ray_dir = _ray_dir(out)
-    left = ray_watchdog.processes_using(ray_dir)  # right at exit: the shutdown must have finished everything
+    left = processes_using(ray_dir)  # right at exit: the shutdown must have finished everything
     assert proc.returncode == code and last_line(err) == line, err[-3000:]
     assert "ballast: already stopping" in err and "Traceback" not in err, err[-3000:]
     assert not left, f"processes of the run's Ray still running after the driver exited: {left}"
@@ -138,8 +138,8 @@ def test_a_driver_killed_with_sigkill_leaves_no_ray_process_or_directory(tiny_ta
         killed = time.monotonic()
         out, _ = proc.communicate(timeout=150)
     ray_dir = _ray_dir(out)
-    while (ray_watchdog.processes_using(ray_dir) or os.path.exists(ray_dir)) and time.monotonic() - killed < 20:
+    while (processes_using(ray_dir) or os.path.exists(ray_dir)) and time.monotonic() - killed < 20:
         time.sleep(0.2)
-    left = ray_watchdog.processes_using(ray_dir)
+    left = processes_using(ray_dir)
     assert not left, f"processes of the killed run's Ray still running {time.monotonic() - killed:.0f}s later: {left}"
     assert not os.path.exists(ray_dir), f"{ray_dir} was left behind"

@@ -79,7 +79,7 @@ def start_trainer(task, run_dir, *extra, env=None):
     added to this process's environment; stdout and stderr are piped as text."""
     # Without RAY_ADDRESS the run starts its own local Ray instead of joining the test session's.
     full_env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    full_env.update(env or {}, RAY_AUTH_MODE="disabled", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    full_env.update(env or {}, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     args = overrides(task, run_dir, "actor_rollout_ref.rollout.n=2", "ray_init.num_cpus=2", *extra)
     return subprocess.Popen([sys.executable, "-m", "ballast.trainer.main", *args], cwd=run_dir, env=full_env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -13,6 +13,7 @@ trainer reads; `check_rules` runs them all.
 from __future__ import annotations
 
 import os
+import re
 from typing import Iterable
 
 from ballast.trainer.config.derived import uses_critic
@@ -24,6 +25,7 @@ from ballast.trainer.config.schema.choice import values
 
 # `flops` is a FlopsModel built from the actor's HF config; the named workloads are balance's.
 BALANCE_WORKLOADS = ("flops",)
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def check_rules(cfg: BallastConfig) -> None:
@@ -110,6 +112,9 @@ def _check_ranges(cfg: BallastConfig) -> None:
     if cfg.reward.timeout_s is not None:
         _at_least("reward.timeout_s", cfg.reward.timeout_s, 0.0, inclusive=False)
     _at_least("ray_init.timeout_s", cfg.ray_init.timeout_s, 0.0, inclusive=False)
+    for i, name in enumerate(cfg.ray_init.worker_env_vars):
+        if not (isinstance(name, str) and _ENV_NAME.fullmatch(name)):
+            raise ConfigError(f"ray_init.worker_env_vars[{i}]={name!r} is not an environment variable name")
     for key, value in (
         ("actor_rollout_ref.actor.clip_ratio", actor.clip_ratio),
         ("actor_rollout_ref.actor.clip_ratio_low", actor.clip_ratio_low),

@@ -1,19 +1,23 @@
 """The Ray instance a run uses: a cluster it joins (`ray_init.address`), or a local instance it starts
-and owns, of which nothing may outlive the run.
+and owns, closed to everyone else, of which nothing may outlive the run.
 
 A local instance keeps its logs and sockets in `<RAY_TMPDIR or /tmp>/ray_<random>` (Ray's own
-`RAY_TMPDIR` variable chooses the parent, as it does for Ray's default directory). The run owns that
-directory and every process that uses it: `RaySession.stop()` shuts Ray down, stops whichever of its
-processes are still running (Ray's agents can outlive `ray.shutdown()`), removes the directory and
-releases the watchdog; `kill_now()` does the same at once, for the shutdown's hard deadline; and the
-watchdog (`ballast.trainer.run.ray_watchdog`, a separate process started before Ray) does it when the
-driver is killed. A local Ray that fails to start (Ray gives a raylet 30 s to register, which a loaded
+`RAY_TMPDIR` variable chooses the parent, as it does for Ray's default directory), a directory of
+mode 0700 that also holds the session's token. It listens on 127.0.0.1 only, with token
+authentication, and its processes (so the workers) start with only the environment they need
+(`ballast.trainer.run.ray_env`). The run owns that directory and every process that carries the
+session's mark: `RaySession.stop()` shuts Ray down, stops whichever of its processes are still
+running (Ray's agents can outlive `ray.shutdown()`), removes the directory and releases the watchdog;
+`kill_now()` does the same at once, for the shutdown's hard deadline; and the watchdog
+(`ballast.trainer.run.ray_watchdog`, a separate process started before Ray) does it when the driver
+is killed. A local Ray that fails to start (Ray gives a raylet 30 s to register, which a loaded
 machine can miss) is a `RayUnavailableError`, with its processes stopped and its directory removed.
 A cluster's session directory and processes are never touched.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -24,9 +28,9 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
-from ballast.trainer.run import ray_watchdog
+from ballast.trainer.run import ray_env, ray_watchdog
 from ballast.trainer.config import BallastConfig, ConfigError
 from ballast.trainer.config.derived import rollout_world_size
 from ballast.trainer.config.off_policy import split_pools
@@ -39,11 +43,16 @@ class RayUnavailableError(RuntimeError):
 @dataclasses.dataclass
 class RaySession:
     """What `start_ray` set up. `connected`: this run initialised Ray (a cluster connection or a local
-    instance) and shuts it down; `temp_dir`/`watchdog`: a local instance's directory and its watchdog."""
+    instance) and shuts it down; `temp_dir`/`watchdog`/`session_id`: a local instance's directory, its
+    watchdog and the mark its processes carry; `restore`: the driver's variables as they were before
+    the local session set its own (put back by `stop`)."""
 
     connected: bool
     temp_dir: Optional[str] = None
     watchdog: Optional[subprocess.Popen] = None
+    session_id: str = ""
+    restore: Dict[str, Optional[str]] = dataclasses.field(default_factory=dict)
+    was_single_machine: bool = False
 
     def stop(self) -> None:
         """Shut Ray down; for a local instance also stop what is left of it and remove its directory."""
@@ -55,20 +64,32 @@ class RaySession:
         finally:
             _restore_signal_handlers()
             self._clear(grace_s=3.0)
+            self._restore_environ()
 
     def kill_now(self) -> None:
         """Kill a local instance's processes and remove its directory at once (another thread may still
         be inside `ray.shutdown`); for a cluster nothing: its GCS ends the job's actors with the driver."""
         self._clear(grace_s=0.0)
 
+    def processes(self) -> List[int]:
+        """The pids of the local instance's processes still running (none for a cluster)."""
+        exclude = [self.watchdog.pid] if self.watchdog is not None else []
+        return ray_watchdog.session_processes(self.session_id, exclude)
+
     def _clear(self, grace_s: float) -> None:
         if self.temp_dir:
-            exclude = [self.watchdog.pid] if self.watchdog is not None else []
-            ray_watchdog.end_processes(ray_watchdog.processes_using(self.temp_dir, exclude), grace_s)
+            ray_watchdog.end_processes(self.processes(), grace_s)
             ray_watchdog.remove_session_dir(self.temp_dir)
         if self.watchdog is not None:
             _release(self.watchdog)
             self.watchdog = None
+
+    def _restore_environ(self) -> None:
+        if self.restore:
+            ray_env.apply(self.restore)
+            ray_env.set_single_machine(self.was_single_machine)
+            self.restore = {}
+            ray_env.reload_ray_auth()
 
 
 def _keep_ray_off_the_drivers_signals() -> None:
@@ -110,9 +131,7 @@ def ray_temp_root() -> str:
 def start_ray(cfg: BallastConfig) -> RaySession:
     """Connect to `ray_init.address` or start a local instance (see the module docstring).
 
-    Ray's own token authentication is left on (Ray's default for a new local instance): a local
-    Ray's gRPC ports listen on every interface, and without the token anyone who can reach them can
-    run code. Tests and the quickstart opt out with RAY_AUTH_MODE=disabled.
+    A local instance is closed (see the module docstring); a cluster keeps its own authentication.
     """
     import ray
 
@@ -151,8 +170,6 @@ def local_num_cpus(processes: int, cpus_per_worker: int, cores: int, num_cpus: O
 
 
 def _start_local(cfg: BallastConfig, quiet: dict) -> RaySession:
-    import ray
-
     r, t = cfg.ray_init, cfg.trainer
     processes = t.nnodes * t.n_gpus_per_node
     if split_pools(cfg):  # the rollout pool's processes come on top
@@ -160,13 +177,32 @@ def _start_local(cfg: BallastConfig, quiet: dict) -> RaySession:
     num_cpus, warning = local_num_cpus(processes, t.cpus_per_worker, os.cpu_count() or 1, r.num_cpus)
     if warning:
         print(f"ballast: {warning}", flush=True)
+    if os.environ.get("RAY_AUTH_MODE", "token").lower() != "token":
+        print(f"ballast: RAY_AUTH_MODE={os.environ['RAY_AUTH_MODE']} applies to clusters (ray_init.address) only: "
+              "the local Ray instance always uses token authentication, with a token of its own", flush=True)
+    return open_local_ray(r.worker_env_vars, num_cpus=num_cpus, include_dashboard=False,
+                          dashboard_host=r.dashboard_host, **quiet)
+
+
+def open_local_ray(worker_env_vars: Sequence[str] = (), **ray_kwargs) -> RaySession:
+    """Start a fresh local Ray instance, closed (see the module docstring), with `ray_kwargs` for
+    `ray.init`; `worker_env_vars`: the driver's variables its processes inherit beyond the defaults."""
+    import ray
+
     temp_dir = tempfile.mkdtemp(prefix="ray_", dir=ray_temp_root())
-    session = RaySession(connected=True, temp_dir=temp_dir, watchdog=_start_watchdog(temp_dir))
+    session_id = ray_env.new_session_id()
+    session = RaySession(connected=True, temp_dir=temp_dir, session_id=session_id,
+                         watchdog=_start_watchdog(temp_dir, session_id))
     print(f"ballast: local Ray session in {temp_dir} (removed at exit)", flush=True)
     try:
-        # address="local": always a fresh instance, even when RAY_ADDRESS is set by a parent process.
-        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, dashboard_host=r.dashboard_host,
-                 _temp_dir=temp_dir, **quiet)
+        token = ray_env.write_token(temp_dir)
+        processes_env = ray_env.ray_process_env(os.environ, worker_env_vars, session_id, token)
+        session.restore = ray_env.apply(ray_env.driver_vars(token))
+        session.was_single_machine = ray_env.set_single_machine(True)
+        ray_env.reload_ray_auth()
+        with _environ(processes_env):  # what Ray's processes, and the workers through the raylet, start with
+            # address="local": always a fresh instance, even when RAY_ADDRESS is set by a parent process.
+            ray.init(address="local", _temp_dir=os.path.join(temp_dir, ray_env.RAY_DIR), **ray_kwargs)
     except BaseException as err:
         try:
             session.stop()  # ray.shutdown() also resets a half-initialised Ray
@@ -181,11 +217,25 @@ def _start_local(cfg: BallastConfig, quiet: dict) -> RaySession:
     return session
 
 
-def _start_watchdog(temp_dir: str) -> Optional[subprocess.Popen]:
+@contextlib.contextmanager
+def _environ(env: Dict[str, str]):
+    """This process's environment is exactly `env` inside the block (the processes it starts inherit
+    that), and what it was outside."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _start_watchdog(temp_dir: str, session_id: str) -> Optional[subprocess.Popen]:
     """The watchdog process for a local session (see `ballast.trainer.run.ray_watchdog`); None off Linux."""
     if not os.path.isdir("/proc"):
         return None
-    return subprocess.Popen([sys.executable, "-I", os.path.abspath(ray_watchdog.__file__), temp_dir],
+    return subprocess.Popen([sys.executable, "-I", os.path.abspath(ray_watchdog.__file__), temp_dir, session_id],
                             stdin=subprocess.PIPE, close_fds=True)
 
 

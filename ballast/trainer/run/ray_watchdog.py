@@ -1,19 +1,24 @@
-"""Leave nothing of a local Ray instance behind, even when the driver that started it is killed.
+"""Leave nothing of a local Ray instance behind, even when the driver that started it is killed, and
+end nothing that is not the run's.
 
-Every process of a local Ray session (GCS, raylet, the dashboard and runtime-env agents, log monitor,
-workers) keeps files open under the session's temporary directory, while several of them rename
-themselves (`ray::DashboardAgent`) so that their command line no longer says which session they serve.
-`processes_using(dir)` finds them by their open files, working directory and command line (Linux
-`/proc`; elsewhere it finds nothing), and `end_processes` stops them: SIGTERM, then SIGKILL after a
-grace period.
+A process is taken to be the run's only when it carries the session's mark: the driver starts its
+local Ray with `BALLAST_RAY_SESSION=<session id>` in the environment (`ballast.trainer.run.ray_env`),
+and every process of the session (GCS, raylet, the dashboard and runtime-env agents, log monitor,
+workers, whatever the workers start with their environment) inherits it. `/proc/<pid>/environ` holds
+the environment a process was started with; Ray's processes that rename themselves
+(`ray::DashboardAgent`) would write the new name over it, which `SPT_NOENV=1` (also set for the
+session) prevents. Being under the session directory proves nothing: a user's `tail -f` of a Ray log,
+a `du` of the directory or a shell whose working directory it is name the path too, and they are
+never touched. `session_processes(id)` finds the marked processes (Linux `/proc`; elsewhere none),
+`end_processes` stops them: SIGTERM, then SIGKILL after a grace period.
 
-Run as a script (`python -I ray_watchdog.py <session dir>`, standard library only, so it starts in
-milliseconds and imports nothing of the driver's), this module is the watchdog a run starts next to
-its local Ray: it waits on a pipe from the driver. `done` on the pipe means the driver cleaned up
-itself; end-of-file without it means the driver died (`kill -9`, the kernel's OOM killer), and the
-watchdog then stops the session's processes and removes the directory. Without it, Ray's agents
-outlive a killed driver by about a minute (they notice a dead raylet only when their GCS calls time
-out). The watchdog ignores SIGINT, SIGTERM and SIGHUP (a Ctrl-C in the terminal or a scheduler's
+Run as a script (`python -I ray_watchdog.py <session dir> <session id>`, standard library only, so
+it starts in milliseconds and imports nothing of the driver's), this module is the watchdog a run
+starts next to its local Ray: it waits on a pipe from the driver. `done` on the pipe means the driver
+cleaned up itself; end-of-file without it means the driver died (`kill -9`, the kernel's OOM killer),
+and the watchdog then stops the session's processes and removes the directory. Without it, Ray's
+agents outlive a killed driver by about a minute (they notice a dead raylet only when their GCS calls
+time out). The watchdog ignores SIGINT, SIGTERM and SIGHUP (a Ctrl-C in the terminal or a scheduler's
 SIGTERM to the whole job reaches it too) and so ends only once the driver has.
 """
 
@@ -27,40 +32,33 @@ import time
 from typing import Iterable, List
 
 DONE = b"done"
+MARK = "BALLAST_RAY_SESSION"
+"""The environment variable whose value names the local Ray session a process belongs to."""
 
 
-def _under(path: str, root: str) -> bool:
-    path = path.removesuffix(" (deleted)")  # a file the driver's cleanup already removed, still open
-    return path == root or path.startswith(root + os.sep)
+def mark_entry(session_id: str) -> bytes:
+    """The `NAME=value` entry of the session's mark, as it appears in `/proc/<pid>/environ`."""
+    return f"{MARK}={session_id}".encode()
 
 
-def _uses(pid: str, root: str) -> bool:
-    base = f"/proc/{pid}"
+def carries_mark(pid: int, entry: bytes) -> bool:
+    """Whether process `pid` started with `entry` in its environment (False when gone or unreadable:
+    another user's process is not readable, and so never the run's)."""
     try:
-        if _under(os.readlink(f"{base}/cwd"), root):
-            return True
-        with open(f"{base}/cmdline", "rb") as f:
-            if root.encode() in f.read():
-                return True
-        for fd in os.listdir(f"{base}/fd"):
-            try:
-                if _under(os.readlink(f"{base}/fd/{fd}"), root):
-                    return True
-            except OSError:
-                continue
-    except OSError:  # gone, or not ours to inspect
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return entry in f.read().split(b"\0")
+    except OSError:
         return False
-    return False
 
 
-def processes_using(root: str, exclude: Iterable[int] = ()) -> List[int]:
-    """Pids of the processes (other than this one and `exclude`) with a file open, their working
-    directory or their command line under `root`."""
-    root = os.path.abspath(root).rstrip(os.sep)
-    if not os.path.isdir("/proc"):
+def session_processes(session_id: str, exclude: Iterable[int] = ()) -> List[int]:
+    """Pids of the processes (other than this one and `exclude`) that carry session `session_id`'s mark."""
+    if not session_id or not os.path.isdir("/proc"):
         return []
-    skip = {str(os.getpid()), *map(str, exclude)}
-    return sorted(int(pid) for pid in os.listdir("/proc") if pid.isdigit() and pid not in skip and _uses(pid, root))
+    entry = mark_entry(session_id)
+    skip = {os.getpid(), *exclude}
+    pids = (int(name) for name in os.listdir("/proc") if name.isdigit())
+    return sorted(pid for pid in pids if pid not in skip and carries_mark(pid, entry))
 
 
 def _alive(pid: int) -> bool:
@@ -95,13 +93,13 @@ def remove_session_dir(root: str) -> None:
 
 
 def main(argv: List[str]) -> int:
-    root = argv[1]
+    root, session_id = argv[1], argv[2]
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     message = sys.stdin.buffer.read()  # until the driver writes `done` and closes, or dies
     if message.startswith(DONE):
         return 0
-    left = end_processes(processes_using(root))
+    left = end_processes(session_processes(session_id))
     remove_session_dir(root)
     sys.stderr.write(f"ballast: watchdog: the driver ended without stopping its local Ray; stopped "
                      f"{len(left)} Ray process(es) and removed {root}\n")

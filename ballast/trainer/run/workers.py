@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence
 
 from ballast.balance import PlanObjective
 from ballast.single_controller import RayWorkerGroup, ResourcePool
@@ -35,9 +35,14 @@ FORWARDED_ENV = ("VLLM_CACHE_ROOT", "VLLM_LOGGING_LEVEL", "TORCHINDUCTOR_CACHE_D
                  "NCCL_DEBUG")
 
 
-def worker_env() -> dict:
+def worker_env(listed: Sequence[str] = ()) -> dict:
+    """What every worker's runtime environment sets: the defaults above, then the driver's values of
+    those, of `FORWARDED_ENV` and of `listed` (`ray_init.worker_env_vars`). A local Ray's workers
+    inherit nothing else of the driver's environment but what `ballast.trainer.run.ray_env` lets
+    through; a cluster's workers get the cluster's own environment plus these."""
     env = dict(WORKER_ENV_DEFAULTS)
-    env.update({k: os.environ[k] for k in list(WORKER_ENV_DEFAULTS) + list(FORWARDED_ENV) if k in os.environ})
+    names = [*WORKER_ENV_DEFAULTS, *FORWARDED_ENV, *listed]
+    env.update({k: os.environ[k] for k in names if k in os.environ})
     return env
 
 
@@ -83,7 +88,7 @@ def create_workers(cfg: BallastConfig, sizes: DerivedSizes, specs: WorkerSpecs) 
     workers: Optional[Workers] = None
     try:
         share = 0.5 if sizes.use_critic else 1.0
-        env = worker_env()
+        env = worker_env(cfg.ray_init.worker_env_vars)
         logs = worker_log_dir(t.default_local_dir)
         actor = RayWorkerGroup(pool, ActorRolloutRefWorker, init_args=(specs.actor_rollout_ref,),
                                name="actor_rollout_ref", device_share=share, env=env, timeout_s=t.worker_timeout_s,

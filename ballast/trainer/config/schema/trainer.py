@@ -119,3 +119,6 @@ class RayInitConfig:
     """Interface the Ray dashboard binds to."""
     timeout_s: float
     """How long to wait for the cluster to answer and to place the workers."""
+    worker_env_vars: List[str]
+    """Variables of the driver's environment that the workers get beyond those the trainer names (Ballast's
+    key; a local Ray's processes start without the rest of it: docs/reliability.md)."""
