@@ -7,6 +7,10 @@ Layout of a checkpoint directory:
 * `engine_state.pt`: LR-scheduler state and step counters (small, identical on all ranks; written by
   rank 0, read with `weights_only=True`), and what the engine's LoRA adapter was (None: full weights).
 
+Both are read back without letting a file run code (`ballast.engine.safe_load`): DCP's pickled
+metadata and non-tensor values through restricted loaders, `engine_state.pt` with `weights_only=True`;
+a file that holds anything else is a `RefusedFileError` naming it.
+
 With a LoRA adapter the checkpoint holds the trainable parameters only (the adapter, and a critic's
 value head) and their optimizer state; the frozen base weights come from the model directory again
 on resume. A checkpoint resumes only into an engine with the same adapter layout (or none).
@@ -35,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule
 
 from ballast.engine.lora import ADAPTER_DIR, merged_state, save_adapter
+from ballast.engine.safe_load import load_dcp, load_torch_file
 
 ENGINE_STATE_FILE = "engine_state.pt"
 DCP_DIR = "dcp"
@@ -95,7 +100,7 @@ def load_checkpoint(path: str, model, optimizer, scheduler, adapter: dict | None
     extra_file = os.path.join(path, ENGINE_STATE_FILE)
     if not os.path.isdir(dcp_dir) or not os.path.isfile(extra_file):
         raise ValueError(f"{path!r} is not an engine checkpoint (expected {DCP_DIR}/ and {ENGINE_STATE_FILE})")
-    extra = torch.load(extra_file, weights_only=True)
+    extra = load_torch_file(extra_file)
     saved = extra.get("adapter")
     if saved != adapter:
         raise ValueError(f"checkpoint {path!r} was saved with LoRA adapter {_describe_adapter(saved)} but this "
@@ -103,7 +108,7 @@ def load_checkpoint(path: str, model, optimizer, scheduler, adapter: dict | None
                          "and target modules")
     trainable_only = adapter is not None
     state = _state(model, optimizer, trainable_only)
-    dcp.load(state, checkpoint_id=dcp_dir)
+    load_dcp(state, dcp_dir)
     set_state_dict(
         model,
         optimizer if optimizer is not None else [],

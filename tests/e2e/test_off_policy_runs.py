@@ -52,7 +52,7 @@ def test_one_batch_ahead_trains_on_one_update_old_samples_and_resumes_exactly(se
     assert rows[0]["rollout_corr/k3_kl"] < 1e-6 < min(r["rollout_corr/k3_kl"] for r in rows[1:])  # stale from step 2 on
     assert all(0.0 <= r["perf/trainer_idle_ratio"] <= 1.0 for r in rows)
     checkpoint = os.path.join(tmp_path, "straight", "global_step_2")
-    assert os.path.isfile(os.path.join(checkpoint, "rollouts_ahead.pkl"))  # step 3's batch, generated on step 1's weights
+    assert os.path.isfile(os.path.join(checkpoint, "rollouts_ahead", "tree.json"))  # step 3's batch, on step 1's weights
     with session("resumed", *extra, "trainer.total_training_steps=4", "trainer.resume_mode=resume_path",
                  f"trainer.resume_from_path={checkpoint}") as trainer:
         assert trainer.global_step == 2

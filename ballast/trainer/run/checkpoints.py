@@ -4,8 +4,11 @@ A checkpoint is `<root>/global_step_<k>/` holding the workers' sharded engine st
 `critic/`) and `trainer_state.json` (step, dataloader position, KL coefficient, RNG states). It is
 written under a temporary name and renamed into place only when complete, and only then does
 `latest_checkpointed_iteration.txt` move forward, so a crash during a save leaves the previous
-checkpoint intact and discoverable. No pickle is involved on the driver side (JSON only); the engine
-state is read back by torch.distributed.checkpoint.
+checkpoint intact and discoverable. Nothing in a checkpoint can run code when it is read: the driver's
+state is JSON, the rollouts generated ahead are JSON and safetensors (`ballast.protocol.storage`), the
+engine state is read back by torch.distributed.checkpoint through restricted loaders
+(`ballast.engine.safe_load`); `refused_file` finds, before any worker starts, a file the resume would
+refuse (a pickle planted where a tensor file belongs, the pickle of rollouts an older version wrote).
 
 Every complete checkpoint carries `checksums.json` (size and SHA-256 of each file), so a truncated or
 damaged shard is found on the driver before any worker loads it (`ballast.trainer.resume_choice`).
@@ -33,6 +36,8 @@ import torch
 LATEST = "latest_checkpointed_iteration.txt"
 STATE = "trainer_state.json"
 CHECKSUMS = "checksums.json"
+AHEAD_DIR = "rollouts_ahead"  # the rollouts generated ahead (`ballast.trainer.step.rollout_pipeline`)
+LEGACY_AHEAD_FILE = "rollouts_ahead.pkl"  # what Ballast wrote there before checkpoints held no pickles
 _HASH_CHUNK_BYTES = 8 << 20
 
 
@@ -204,6 +209,40 @@ def verify_checkpoint(path: str) -> Optional[str]:
     for rel, want in manifest.items():  # sizes first: they catch truncation without reading any data
         if _sha256(os.path.join(path, rel)) != want["sha256"]:
             return f"{os.path.join(path, rel)} does not match its SHA-256 from save time (damaged)"
+    return None
+
+
+def legacy_pickle_refusal(file: str) -> str:
+    return (f"{file}: refused: a pickle (loading it could run code), written by an older Ballast; this version "
+            "loads no pickles: resume with the version that wrote it, or start over (trainer.resume_mode=disable)")
+
+
+def refused_file(path: str) -> Optional[str]:
+    """None when the files the resume reads from checkpoint `path` are in formats that cannot run code,
+    else what is refused, naming the file: a pickle where an engine state or DCP's metadata belongs, the
+    pickle of rollouts an older version wrote, rollouts that are not JSON. (DCP's per-item values inside
+    the shards are checked as the workers read them.)"""
+    from ballast.engine.checkpoint import DCP_DIR, ENGINE_STATE_FILE
+    from ballast.engine.safe_load import METADATA_FILE, RefusedFileError, load_torch_file, read_dcp_metadata
+    from ballast.protocol.storage import TREE_FILE
+
+    if os.path.exists(os.path.join(path, LEGACY_AHEAD_FILE)):
+        return legacy_pickle_refusal(os.path.join(path, LEGACY_AHEAD_FILE))
+    tree = os.path.join(path, AHEAD_DIR, TREE_FILE)
+    if os.path.exists(tree):
+        try:
+            with open(tree) as f:
+                json.load(f)
+        except (OSError, ValueError) as err:
+            return f"{tree} is not JSON ({err})"
+    try:
+        for base, _, files in sorted(os.walk(path)):
+            if os.path.basename(base) == DCP_DIR and METADATA_FILE in files:
+                read_dcp_metadata(os.path.join(base, METADATA_FILE))
+            if ENGINE_STATE_FILE in files:
+                load_torch_file(os.path.join(base, ENGINE_STATE_FILE))
+    except RefusedFileError as err:
+        return str(err)
     return None
 
 

@@ -17,7 +17,7 @@ import sys
 from typing import Tuple
 
 from ballast.trainer.run.checkpoints import (
-    CheckpointError, CheckpointManager, ResumePoint, choose_checkpoint, verify_checkpoint,
+    CheckpointError, CheckpointManager, ResumePoint, choose_checkpoint, refused_file, verify_checkpoint,
 )
 from ballast.trainer.config import BallastConfig
 from ballast.trainer.config.schema import TrainerConfig
@@ -68,7 +68,8 @@ def resume_point(t: TrainerConfig) -> ResumePoint:
         path, warnings = choose_checkpoint(os.path.abspath(os.path.expanduser(t.default_local_dir)), verify=True)
         for line in warnings:
             say(f"warning: {line}")
-        return ResumePoint() if path is None else _point(path)
+        return ResumePoint() if path is None else _point(path, "trainer.resume_mode=auto")
+    key = "trainer.resume_from_path" if mode == "resume_path" else "trainer.resume_mode"
     path = os.path.abspath(os.path.expanduser(t.resume_from_path if mode == "resume_path" else mode))
     problem = verify_checkpoint(path)
     if problem is not None:
@@ -77,10 +78,15 @@ def resume_point(t: TrainerConfig) -> ResumePoint:
                 if intact and intact != path else "no intact checkpoint beside it")
         raise CheckpointError(f"cannot resume from {path!r}: {problem}; {hint}, or start over with "
                               "trainer.resume_mode=disable in a new trainer.default_local_dir")
-    return _point(path)
+    return _point(path, key)
 
 
-def _point(path: str) -> ResumePoint:
+def _point(path: str, key: str) -> ResumePoint:
+    """The resume point of the verified checkpoint `path` (chosen by config `key`), once none of the
+    files the resume reads is refused."""
+    refused = refused_file(path)
+    if refused is not None:
+        raise CheckpointError(f"cannot resume from {path!r} ({key}): {refused}")
     try:
         step = int(CheckpointManager.read_state(path)["global_step"])
     except (OSError, ValueError, KeyError, TypeError) as err:  # a checkpoint from before checksums existed

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import collections
 import os
-import pickle
 import queue
 import threading
 import time
@@ -35,7 +34,9 @@ from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 import numpy as np
 
-from ballast.protocol import Batch
+from ballast.protocol import Batch, storage
+from ballast.trainer.run.checkpoints import AHEAD_DIR, LEGACY_AHEAD_FILE, CheckpointError, legacy_pickle_refusal
+from ballast.trainer.step.dynamic_sampling import GroupCollector
 
 OFF_POLICY = "training/off_policy"
 STALENESS = f"{OFF_POLICY}/trajectory_staleness"
@@ -214,20 +215,35 @@ def version_range(row_versions: np.ndarray, token_versions: Optional[np.ndarray]
     return low, high
 
 
-AHEAD_FILE = "rollouts_ahead.pkl"
-
-
 def save_rollouts_ahead(path: str, rollouts: List[Rollout]) -> None:
     """Keep the rollouts generated ahead in checkpoint `path`: the data loader's saved position is past
-    their prompts, and a resumed run trains on them exactly as the uninterrupted run would have."""
+    their prompts, and a resumed run trains on them exactly as the uninterrupted run would have. They
+    are stored in files that cannot run code when read (`ballast.protocol.storage`)."""
     if rollouts:
-        with open(os.path.join(path, AHEAD_FILE), "wb") as f:
-            pickle.dump([(r.step, r.version, r.batch, r.timing, r.metrics, r.versions, r.unfilled) for r in rollouts], f)
+        storage.save(os.path.join(path, AHEAD_DIR), [_rollout_state(r) for r in rollouts])
 
 
 def load_rollouts_ahead(path: str) -> List[Rollout]:
-    file = os.path.join(path, AHEAD_FILE)
-    if not os.path.isfile(file):
+    """The rollouts `save_rollouts_ahead` kept in checkpoint `path` (none when it kept none). A legacy
+    pickle of them is refused, naming the file: loading it could run code."""
+    legacy = os.path.join(path, LEGACY_AHEAD_FILE)
+    if os.path.exists(legacy):
+        raise CheckpointError(legacy_pickle_refusal(legacy))
+    directory = os.path.join(path, AHEAD_DIR)
+    if not os.path.isdir(directory):
         return []
-    with open(file, "rb") as f:  # written by save_rollouts_ahead into a checkpoint this run verified
-        return [Rollout(*fields) for fields in pickle.load(f)]
+    try:
+        return [_rollout_from_state(state) for state in storage.load(directory)]
+    except (storage.StorageError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{directory}: the rollouts generated ahead are unreadable: {err}") from None
+
+
+def _rollout_state(r: Rollout) -> dict:
+    return {"step": r.step, "version": r.version, "batch": r.batch, "timing": r.timing, "metrics": r.metrics,
+            "versions": r.versions, "unfilled": r.unfilled.state() if r.unfilled is not None else None}
+
+
+def _rollout_from_state(state: dict) -> Rollout:
+    unfilled = GroupCollector.from_state(state["unfilled"]) if state["unfilled"] is not None else None
+    return Rollout(int(state["step"]), int(state["version"]), state["batch"], dict(state["timing"]),
+                   dict(state["metrics"]), state["versions"], unfilled)
