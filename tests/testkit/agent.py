@@ -141,3 +141,43 @@ class WaitingLoop(InsertingLoop):
     (partial rollouts)."""
 
     wait_s = WAIT_S
+
+
+# The one reply of `build_tool_calling_model`: a well-formed hermes call of the calculator tool.
+CALCULATOR_CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
+
+
+def build_tool_calling_model(out_dir, *, margin: float = 30.0) -> str:
+    """The tiny model (and tokenizer) rewired to answer every generation prompt with CALCULATOR_CALL, then
+    its stop token, with any sampling settings: real tool turns through the whole driver loop (random
+    models never call tools). The tokenizer gets the call as one added token; the layers' output
+    projections are zeroed, so the last hidden state is the current token's embedding, and the untied
+    output head maps the generation prompt's last token ("\\n") to the call and the call to the stop
+    token, `margin` logits above every other token."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ballast.models import tiny_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir()))
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir()), dtype=torch.float32)
+    newline, = tokenizer.encode("\n", add_special_tokens=False)
+    tokenizer.add_tokens([CALCULATOR_CALL])
+    call = tokenizer.convert_tokens_to_ids(CALCULATOR_CALL)
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    with torch.no_grad():
+        embed = model.get_input_embeddings().weight
+        embed[call] = torch.randn(embed.shape[1], generator=torch.Generator().manual_seed(0)) * embed.std()
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.norm.weight.fill_(1.0)
+        head = torch.zeros_like(embed)
+        scale = margin / embed.shape[1] ** 0.5  # the normed hidden state has norm sqrt(hidden_size)
+        head[call] = scale * embed[newline] / embed[newline].norm()
+        head[tokenizer.eos_token_id] = scale * embed[call] / embed[call].norm()
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(head)
+    model.save_pretrained(str(out_dir))
+    tokenizer.save_pretrained(str(out_dir))
+    return str(out_dir)
