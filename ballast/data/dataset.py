@@ -86,6 +86,9 @@ class RLDataset(torch.utils.data.Dataset):
         self.prompt_key = prompt_key
         self._template_kwargs = dict(chat_template_kwargs or {})
         self._samples: list[dict] = []
+        self.agent_names: dict[str, str] = {}
+        """Each `agent_name` the rows name, with the first row naming it ("'<file>' row <i>"): the trainer
+        checks them against the registered agent loops at start-up."""
         self._cut_generation_prompt = ""  # what right truncation removed from the prompts' end, if any
         read = filtered = truncated = longest = 0
         for path in self.files:
@@ -103,6 +106,9 @@ class RLDataset(torch.utils.data.Dataset):
     def _add_file(self, path: Path, rows: list[dict], tokenizer) -> tuple[int, int, int]:
         """Validate, template and tokenize one file's rows; returns (filtered, truncated, longest)."""
         parsed = [_parse_row(row, path, i, self.prompt_key) for i, row in enumerate(rows)]
+        for i, item in enumerate(parsed):
+            if item["agent_name"] is not None:
+                self.agent_names.setdefault(item["agent_name"], _where(path, i))
         texts = []
         for i, item in enumerate(parsed):
             try:

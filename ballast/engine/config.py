@@ -119,6 +119,12 @@ class LoraSpec:
             if not os.path.isfile(os.path.join(path, "adapter_config.json")):
                 raise SpecError("adapter_path", f"lora adapter_path={path!r} is not a PEFT adapter directory "
                                                 "(no adapter_config.json in it)")
+            from ballast.engine.safe_load import RefusedFileError, check_adapter_weights
+
+            try:
+                check_adapter_weights(path)
+            except RefusedFileError as err:
+                raise SpecError("adapter_path", f"lora adapter_path={path!r}: {err}") from None
             object.__setattr__(self, "adapter_path", path)
 
     @property

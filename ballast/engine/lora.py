@@ -35,7 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ballast.engine.config import LoraSpec
+from ballast.engine.config import LoraSpec, SpecError
+from ballast.engine.safe_load import check_adapter_weights
 
 ADAPTER_NAME = "default"
 PEFT_PREFIX = "base_model.model."
@@ -163,23 +164,56 @@ def attach_adapter(model: torch.nn.Module, spec: LoraSpec, role: str, seed: int 
     shards it (FSDP2 broadcasts nothing). Raises ValueError when the targets select anything but
     linear layers (embeddings, convolutions): merged sync and vLLM serve linear LoRA only.
     """
-    from peft import PeftConfig, PeftModel, get_peft_model
+    from peft import PeftModel, get_peft_model
 
     if not spec.enabled:
         raise ValueError("attach_adapter needs a LoraSpec with rank > 0 or an adapter_path")
     head = value_head_name(model) if role == "critic" else None
+    config = _peft_config(spec, role, head)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if spec.adapter_path is not None:
-            config = use_fused_linear(PeftConfig.from_pretrained(spec.adapter_path))
+            check_adapter_weights(spec.adapter_path)  # a refused file is named, not torch's generic message
             peft_model = PeftModel.from_pretrained(model, spec.adapter_path, config=config, is_trainable=True)
         else:
-            peft_model = get_peft_model(model, _lora_config(spec, role, head))
+            peft_model = get_peft_model(model, config)
     adapter = Adapter(peft_model, _scalings(model), head)
     if head is not None and not any(head in n and p.requires_grad for n, p in model.named_parameters()):
         raise ValueError(f"the critic's adapter does not train its value head {head!r}: an adapter loaded "
                          f"from {spec.adapter_path!r} must list it in modules_to_save")
     return adapter
+
+
+def check_targets(model_path: str, spec: LoraSpec, role: str, trust_remote_code: bool = False) -> None:
+    """What `attach_adapter` would refuse about `spec` on the model in `model_path` (targets that match
+    no module, or a module that is not a linear layer), found on a weightless copy of the model (meta
+    device) in about a second, before any worker starts. `SpecError` naming `target_modules`, or
+    `adapter_path` for an adapter loaded from disk (its own config names the targets)."""
+    from peft import get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        if role == "critic":
+            config.num_labels = 1
+            model = AutoModelForTokenClassification.from_config(config, trust_remote_code=trust_remote_code)
+        else:
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    try:
+        get_peft_model(model, _peft_config(spec, role, value_head_name(model) if role == "critic" else None))
+        _scalings(model)
+    except ValueError as err:
+        field = "adapter_path" if spec.adapter_path is not None else "target_modules"
+        raise SpecError(field, f"{err} (in the modules of {model_path!r})") from None
+
+
+def _peft_config(spec: LoraSpec, role: str, head: str | None):
+    """PEFT's config of the adapter: the saved one of `spec.adapter_path`, else one made from `spec`."""
+    if spec.adapter_path is not None:
+        from peft import PeftConfig
+
+        return use_fused_linear(PeftConfig.from_pretrained(spec.adapter_path))
+    return _lora_config(spec, role, head)
 
 
 def _scalings(model: torch.nn.Module) -> dict[str, float]:

@@ -1,10 +1,10 @@
 """Reading checkpoint files without letting them run code.
 
-torch.distributed.checkpoint (DCP) pickles two things: the checkpoint's `.metadata` (which DCP reads
-back with a plain `pickle.load`) and every non-tensor value of the state, such as the optimizer's
-hyper-parameters (read back with `torch.load(weights_only=False)`). A pickle can name any callable
-to run when it is read, so a checkpoint handed to someone, or one rewritten together with its
-checksums, could run code on resume. Here:
+torch.distributed.checkpoint (DCP) pickles two things: the checkpoint's `.metadata` and every
+non-tensor value of the state, such as the optimizer's hyper-parameters, and reads both back with
+unrestricted unpicklers (the standard library's and torch's with its weights-only check turned off).
+A pickle can name any callable to run when it is read, so a checkpoint handed to someone, or one
+rewritten together with its checksums, could run code on resume. Here:
 
 * `read_dcp_metadata` unpickles `.metadata` with an unpickler that can build DCP's own metadata
   classes, `torch.Size`, dtypes, layouts and paths, and nothing else (Python's documented way of
@@ -12,7 +12,8 @@ checksums, could run code on resume. Here:
 * `SafeReader` / `SafePlanner` are DCP's file reader and load planner with those two reads replaced
   (the non-tensor values by `torch.load(weights_only=True)`, PyTorch's own restricted loader), and
   `load_dcp` is `dcp.load` through them;
-* `load_torch_file` is `torch.load(weights_only=True)` for the engine's small state file.
+* `load_torch_file` is `torch.load(weights_only=True)` for the engine's small state file, and
+  `check_adapter_weights` the same check of a PEFT adapter's weights before any worker loads them.
 
 Whatever they refuse is a `RefusedFileError` naming the file (and the item inside it).
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import re
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -43,6 +45,7 @@ _ALLOWED_GLOBALS = frozenset({
     ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "Path"),
     ("collections", "OrderedDict"),
 })
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")  # PEFT's file names, in its order
 WHY = "it holds more than tensors and plain values (a pickle that could run code when read)"
 
 
@@ -76,8 +79,29 @@ def load_torch_file(path: str, what: str = ""):
     try:
         return torch.load(path, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as err:
-        first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
-        raise RefusedFileError(f"{path}{what}: refused by torch.load(weights_only=True): {WHY}: {first}") from None
+        raise RefusedFileError(f"{path}{what}: refused by torch.load(weights_only=True): {WHY}: {_reason(err)}") from None
+
+
+def _reason(err: Exception) -> str:
+    """The line of torch's refusal that says what the file names (the rest is advice to load it anyway)."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in str(err).splitlines()]
+    said = next((line for line in lines if line.startswith("WeightsUnpickler error:")), None)
+    if said is None:
+        return next((line for line in lines if line), type(err).__name__)
+    return said.removeprefix("WeightsUnpickler error:").strip().split(". ")[0]  # then: how to allow it
+
+
+def check_adapter_weights(directory: str) -> str:
+    """The weights file of the PEFT adapter in `directory`, as PEFT picks it: `adapter_model.safetensors`
+    (a format that cannot run code), else `adapter_model.bin` once `torch.load(weights_only=True)` has
+    read it (PEFT reads it the same way). `RefusedFileError` naming the file, or none found."""
+    for name in ADAPTER_WEIGHTS:
+        path = os.path.join(directory, name)
+        if os.path.isfile(path):
+            if name.endswith(".bin"):
+                load_torch_file(path)
+            return path
+    raise RefusedFileError(f"{directory} holds neither {' nor '.join(ADAPTER_WEIGHTS)}")
 
 
 class SafeReader(FileSystemReader):
@@ -105,9 +129,8 @@ class SafePlanner(DefaultLoadPlanner):
         try:
             loaded = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as err:
-            first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
             raise RefusedFileError(f"{self.checkpoint_dir}: item {fqn!r} refused by torch.load(weights_only=True): "
-                                   f"{WHY}: {first}") from None
+                                   f"{WHY}: {_reason(err)}") from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[fqn], loaded)
         else:

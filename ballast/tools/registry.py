@@ -80,3 +80,5 @@ def build_tool(entry, where: str) -> Tool:
         return cls(config={k: v for k, v in config.items() if k != "type"}, tool_schema=entry.get("tool_schema"))
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from err
+    except Exception as err:  # the tool's own failure: named with its file and entry, not a bare traceback
+        raise ValueError(f"{where}: {entry['class_name']} raised {type(err).__name__} while starting: {err}") from err

@@ -89,6 +89,7 @@ def prepare_typed(cfg: BallastConfig) -> PreparedRun:
     rollout backend and the reward function; all before Ray starts."""
     from ballast.trainer.run.builders import overlong_buffer
     from ballast.trainer.step.reward import RewardManager
+    from ballast.trainer.run.preflight import check_lora_targets, unknown_agent_name
     from ballast.trainer.run.run_plan import plan_run
 
     cfg = absolute_paths(cfg)
@@ -96,6 +97,10 @@ def prepare_typed(cfg: BallastConfig) -> PreparedRun:
     _check_model_files(cfg)
     tokenizer, data = read_data(cfg)
     plan = plan_run(cfg, model, data.total_steps)
+    check_lora_targets(plan)
+    unknown = unknown_agent_name(plan, data.agent_names)
+    if unknown is not None:
+        raise InputError(unknown)
     _announce_precision(cfg, plan)
     _check_rollout_backend(cfg)
     _check_code_reward(cfg, data)

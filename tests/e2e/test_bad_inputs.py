@@ -50,6 +50,7 @@ def bad(tiny_task, tmp_path_factory):
         "int_content": _row("x", 5, prompt=[{"role": "user", "content": 7}]),
         "long_prompt": _row("# " * 200, 5),
         "no_truth": _row("x", 5, reward_model={"style": "rule"}),
+        "bad_agent": _row("x", 5, agent_name="no_such_loop"),
     }
     for name, row in variants.items():
         write_jsonl(good[:5] + [row] + good[6:], root / f"{name}.jsonl")
@@ -71,6 +72,8 @@ def bad(tiny_task, tmp_path_factory):
     (root / "reward_syntax.py").write_text("def compute_score(:\n")
     for name in ("no_tokenizer", "no_eos", "bad_json_model", "reward_other_name.py", "reward_syntax.py"):
         paths[name.split(".")[0]] = str(root / name)
+    (root / "broken_tools.yaml").write_text("tools:\n  - class_name: testkit.broken_tools.UnreachableServiceTool\n")
+    paths["broken_tools"] = str(root / "broken_tools.yaml")
     paths["missing_model"] = str(root / "no_such_model")
     paths["missing_reward"] = str(root / "no_such_reward.py")
     return paths
@@ -109,6 +112,15 @@ CASES = [
      r"reward_other_name\.py' has no function 'compute_score'; callables there: \['score'\]"),
     ("reward file does not import", lambda p: [f"custom_reward_function.path={p['reward_syntax']}"], 2,
      r"importing custom reward file '.*reward_syntax\.py' failed: SyntaxError"),
+    ("agent_name not an agent loop", lambda p: [f"data.train_files={p['bad_agent']}", "actor_rollout_ref.rollout.mode=async"],
+     2, r"invalid input: data file '.*bad_agent\.jsonl' row 5: agent_name='no_such_loop' is not an agent loop"),
+    ("tool that cannot start", lambda p: ["actor_rollout_ref.rollout.mode=async", "actor_rollout_ref.rollout.multi_turn.enable=true",
+                                          f"actor_rollout_ref.rollout.multi_turn.tool_config_path={p['broken_tools']}"],
+     2, r"tool_config_path: .*broken_tools\.yaml tools\[0\]: testkit\.broken_tools\.UnreachableServiceTool raised "
+        r"ConnectionError while starting"),
+    ("LoRA targets match no module", lambda p: ["actor_rollout_ref.model.lora_rank=4",
+                                                "actor_rollout_ref.model.target_modules=[no_such_proj]"],
+     2, r"actor_rollout_ref\.model\.target_modules: Target modules \{'no_such_proj'\} not found in the base model"),
     ("unknown key", lambda p: ["+trainer.wandb_api_key=abc"], 2, r"trainer\.wandb_api_key"),
     ("wrong type", lambda p: ["data.train_batch_size=four"], 2, r"data\.train_batch_size"),
     ("batch not divisible over workers", lambda p: ["data.train_batch_size=3", "actor_rollout_ref.rollout.n=3",

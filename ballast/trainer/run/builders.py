@@ -14,7 +14,7 @@ import functools
 import json
 import os
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 from ballast.engine import EngineConfig, OptimConfig
 from ballast.engine.config import LoraSpec
@@ -189,23 +189,31 @@ def agent_spec(cfg: BallastConfig) -> Optional[AgentLoopSpec]:
                  max_concurrent_conversations=a.max_concurrent_conversations)
 
 
+def agent_loop_names(spec: AgentLoopSpec) -> List[str]:
+    """The loops a row's `agent_name` may name: the registered ones and those of `agent_loop_config_path`
+    (ConfigError naming that key when the file is unusable)."""
+    from ballast.trainer.config import ConfigError
+    from ballast.workers.agent_loop.base import load_agent_loop_config, registered_loops
+
+    try:
+        return sorted({**registered_loops(), **load_agent_loop_config(spec.agent_loop_config_path)})
+    except ValueError as err:
+        raise ConfigError(f"{ROLLOUT}.agent.agent_loop_config_path: {err}") from None
+
+
 def check_agent_files(spec: AgentLoopSpec) -> None:
     """Load the tool yaml and the agent-loop yaml once (ConfigError naming the key on failure)."""
     from ballast.tools import load_tools
     from ballast.trainer.config import ConfigError
-    from ballast.workers.agent_loop.base import load_agent_loop_config, registered_loops
 
     try:
         load_tools(spec.multi_turn.tool_config_path)
     except ValueError as err:
         raise ConfigError(f"{ROLLOUT}.multi_turn.tool_config_path: {err}") from None
-    try:
-        loops = {**registered_loops(), **load_agent_loop_config(spec.agent_loop_config_path)}
-    except ValueError as err:
-        raise ConfigError(f"{ROLLOUT}.agent.agent_loop_config_path: {err}") from None
+    loops = agent_loop_names(spec)
     if spec.default_agent_loop not in loops:
         raise ConfigError(f"{ROLLOUT}.agent.default_agent_loop={spec.default_agent_loop!r} is not an agent loop; "
-                          f"registered: {sorted(loops)}")
+                          f"registered: {loops}")
 
 
 def actor_loss_config(cfg: BallastConfig) -> ActorLossConfig:

@@ -57,10 +57,13 @@ class RunData:
         self.total_epochs = t.total_epochs
         self.total_steps = t.total_training_steps or t.total_epochs * per_epoch
         self.val: Optional[Batch] = None
+        self.agent_names = dict(self.train_set.agent_names)
+        """Each `agent_name` of the training and validation rows, with the first row naming it."""
         if d.val_files:
             val_set = RLDataset(d.val_files, tokenizer, max_prompt_length=d.max_prompt_length,
                                 truncation=truncation, prompt_key=d.prompt_key)
             self.val = collated_to_batch(self.collate([val_set[i] for i in range(len(val_set))]), "val")
+            self.agent_names = {**val_set.agent_names, **self.agent_names}
         self.val_batch_size = d.val_batch_size
         self._iter = None
 

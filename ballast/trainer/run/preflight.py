@@ -6,15 +6,17 @@ the checkpoint directory the run will load, verified against its checksums, or a
 to start a new run on top of an old one (or moves the old one aside when asked), so the driver and the
 workers never look at `resume_mode` or the marker file again. `refuse_early` makes the checks of the
 directory that need neither the lock nor the data, so a launch into a busy or occupied directory is
-refused in a second, before the tokenizer and the data are read. `cpu_has_native_bf16` tells the
-start-up whether bf16 compute on this machine's CPU is worth it.
+refused in a second, before the tokenizer and the data are read. `check_lora_targets` finds LoRA
+targets that match no module of the model, and `unknown_agent_name` a row naming an agent loop that
+does not exist, before any worker starts. `cpu_has_native_bf16` tells
+the start-up whether bf16 compute on this machine's CPU is worth it.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from typing import Tuple
+from typing import Dict, Optional, Tuple
 
 from ballast.trainer.run.checkpoints import (
     CheckpointError, CheckpointManager, ResumePoint, choose_checkpoint, refused_file, verify_checkpoint,
@@ -93,6 +95,41 @@ def _point(path: str, key: str) -> ResumePoint:
         raise CheckpointError(f"cannot resume from {path!r}: its trainer_state.json is unreadable "
                               f"({type(err).__name__}: {err})") from None
     return ResumePoint(path.rstrip(os.sep), step)
+
+
+def check_lora_targets(plan) -> None:
+    """Every LoRA adapter of `plan` adapts linear modules of its model, checked on a weightless copy of
+    the model before any worker starts (`ballast.engine.lora.check_targets`); a `ConfigError` naming
+    `<model>.target_modules` (or `<model>.lora_adapter_path`) otherwise."""
+    from ballast.engine.lora import check_targets
+    from ballast.trainer.config.keys import build
+    from ballast.trainer.run.builders import MODEL_PREFIX
+
+    critic = plan.specs.critic
+    for role, engine in (("actor", plan.specs.actor_rollout_ref.actor), ("critic", critic.critic if critic else None)):
+        if engine is not None and engine.lora.enabled:
+            prefix = MODEL_PREFIX[role]
+            build({"target_modules": f"{prefix}.target_modules", "adapter_path": f"{prefix}.lora_adapter_path"},
+                  check_targets, engine.model_path, engine.lora, role, engine.trust_remote_code)
+
+
+def unknown_agent_name(plan, agent_names: Dict[str, str]) -> Optional[str]:
+    """None when every `agent_name` of the data (`agent_names`: name -> the first row naming it) is an
+    agent loop of the run, else what is wrong, naming the file and row: found over all rows before any
+    worker starts, not when the row is drawn. A run without agent loops (`rollout.mode=sync`) reads no
+    `agent_name`."""
+    from ballast.trainer.run.builders import agent_loop_names
+
+    specs = plan.specs
+    agent = specs.actor_rollout_ref.agent or (specs.rollout.agent if specs.rollout is not None else None)
+    if agent is None or not agent_names:
+        return None
+    loops = agent_loop_names(agent)
+    for name, where in agent_names.items():
+        if name not in loops:
+            return (f"{where}: agent_name={name!r} is not an agent loop; registered: {loops} "
+                    "(actor_rollout_ref.rollout.agent.agent_loop_config_path adds loops)")
+    return None
 
 
 def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:

@@ -100,8 +100,8 @@ def _keep_ray_off_the_drivers_signals() -> None:
     behind Python's back before it spends about a second stopping the local processes: a SIGTERM in
     that second kills the driver in the middle of its cleanup, without its exit code or last line.
     Ray's own switch for this is `RAY_DISABLE_FAILURE_SIGNAL_HANDLER`, read when Ray is imported; the
-    module attribute it sets is set here instead, so that the workers (which inherit the driver's
-    environment) keep their crash stack dumps. Python's faulthandler still reports a crash here.
+    module attribute it sets is set here instead, so that the workers (which would inherit the variable)
+    keep their crash stack dumps. Python's faulthandler still reports a crash here.
     """
     try:
         from ray._private import ray_constants

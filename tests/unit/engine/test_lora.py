@@ -12,6 +12,7 @@ from ballast.engine.lora import (
     adapter_state,
     attach_adapter,
     base_state,
+    check_targets,
     is_adapter_param,
     merged_state,
     save_adapter,
@@ -53,6 +54,7 @@ def test_spec_errors_name_the_field(kwargs, field):
 def test_spec_enabled_and_the_reference_role_refuses_an_adapter(tmp_path):
     assert not LoraSpec().enabled and LoraSpec(rank=1).enabled
     (tmp_path / "adapter_config.json").write_text("{}")
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"")  # its existence is checked; PEFT reads it
     assert LoraSpec(adapter_path=str(tmp_path)).enabled  # verl: an adapter path turns LoRA on with rank 0
     assert LoraSpec(rank=4, target_modules=["q_proj", "v_proj"]).target_modules == ("q_proj", "v_proj")
     with pytest.raises(SpecError, match="reference"):
@@ -82,6 +84,44 @@ def test_exclude_and_non_linear_targets(tiny_lm_dir):
     assert not any(n.endswith(("o_proj", "down_proj")) for n in adapter.scalings)
     with pytest.raises(ValueError, match="not a linear layer"):
         attach_adapter(_lm(tiny_lm_dir), LoraSpec(rank=2, target_modules=["embed_tokens", "q_proj"]), "actor")
+
+
+def test_targets_that_adapt_nothing_or_no_linear_layer_are_found_on_a_weightless_model(tiny_lm_dir, tmp_path):
+    check_targets(tiny_lm_dir, LoraSpec(rank=2), "actor")
+    check_targets(tiny_lm_dir, LoraSpec(rank=2, target_modules=["q_proj", "v_proj"]), "critic")
+    with pytest.raises(SpecError, match=r"Target modules \{'qkv'\} not found in the base model") as err:
+        check_targets(tiny_lm_dir, LoraSpec(rank=2, target_modules=["qkv"]), "actor")
+    assert err.value.field == "target_modules" and tiny_lm_dir in str(err.value)
+    with pytest.raises(SpecError, match="not a linear layer"):
+        check_targets(tiny_lm_dir, LoraSpec(rank=2, target_modules=["embed_tokens", "q_proj"]), "actor")
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "target_modules": ["wq"]}))
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"")
+    with pytest.raises(SpecError, match=r"Target modules \{'wq'\} not found") as err:
+        check_targets(tiny_lm_dir, LoraSpec(adapter_path=str(tmp_path)), "actor")
+    assert err.value.field == "adapter_path"
+
+
+class _Payload:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').write('ran')",)
+
+
+def test_an_adapter_bin_that_is_more_than_tensors_is_refused_naming_it(tmp_path):
+    (tmp_path / "adapter_config.json").write_text("{}")
+    weights = tmp_path / "adapter_model.bin"
+    torch.save({"base_model.model.q_proj.lora_A.weight": torch.zeros(2, 4)}, weights)
+    assert LoraSpec(adapter_path=str(tmp_path)).enabled  # tensors only: PEFT's weights_only load takes it
+    marker = tmp_path / "payload_ran"
+    torch.save({"lora_A": _Payload(str(marker))}, weights)
+    with pytest.raises(SpecError, match=rf"{weights}: refused by torch\.load\(weights_only=True\)") as err:
+        LoraSpec(adapter_path=str(tmp_path))
+    assert err.value.field == "adapter_path" and not marker.exists()
+    weights.unlink()
+    with pytest.raises(SpecError, match="holds neither adapter_model.safetensors nor adapter_model.bin"):
+        LoraSpec(adapter_path=str(tmp_path))
 
 
 def test_merged_state_equals_peft_merge_and_the_switch_runs_the_base(tiny_lm_dir):

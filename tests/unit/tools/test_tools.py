@@ -125,4 +125,8 @@ def test_tool_yaml_loading(tmp_path):
             load_tools(str(path))
     with pytest.raises(ValueError, match="is not a file"):
         load_tools(str(tmp_path / "missing.yaml"))
+    path.write_text("tools:\n  - class_name: calculator\n  - class_name: testkit.broken_tools.UnreachableServiceTool\n")
+    with pytest.raises(ValueError, match=r"tools\.yaml tools\[1\]: testkit\.broken_tools\.UnreachableServiceTool raised "
+                                         r"ConnectionError while starting: the verifier service at 127\.0\.0\.1:9"):
+        load_tools(str(path))
     assert issubclass(CalculatorTool, Tool)

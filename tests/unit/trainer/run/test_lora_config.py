@@ -68,6 +68,7 @@ def test_merge_and_the_check_switches():
 
 def test_an_adapter_to_start_from_decides_the_rank(tmp_path):
     (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 8, "rank_pattern": {"q_proj": 24}}))
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"")
     _, plan = _plan(f"actor_rollout_ref.model.lora_adapter_path={tmp_path}", "actor_rollout_ref.actor.use_kl_loss=True")
     spec = plan.specs.actor_rollout_ref
     assert spec.actor.lora.enabled and spec.actor.lora.adapter_path == str(tmp_path)
