@@ -21,7 +21,7 @@
 #   --dashboard-port PORT  head only (8265)
 #   --no-dashboard         head only: no dashboard (then `ray job submit` is unavailable)
 #   --auth token|disabled  Ray token authentication [RAY_AUTH_MODE] (token). The head creates a token in
-#                          ~/.ray/auth_token if none exists; every other node and every driver needs the
+#                          ~/.ray/auth_token (mode 600) if none exists; every other node and every driver needs the
 #                          same token (copy the file, or export RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH).
 #   --temp-dir DIR         head only: Ray's session/log directory (Ray's default /tmp/ray)
 #   --wait-s S             worker only: wait up to S seconds for the head to answer before joining (60)
@@ -109,8 +109,11 @@ case "$ROLE" in
     fi
     [[ -n "$TEMP_DIR" ]] && ARGS+=("--temp-dir=$TEMP_DIR")
     if [[ "$AUTH" == token ]] && ! have_token; then
-      say "creating a Ray auth token in ~/.ray/auth_token (copy it to every node and driver)"
-      "$RAY" get-auth-token --generate >/dev/null
+      say "creating a Ray auth token in ~/.ray/auth_token, readable by you only (copy it to every node and driver)"
+      (umask 077 && "$RAY" get-auth-token --generate >/dev/null)  # Ray itself writes it world-readable
+    fi
+    if [[ "$AUTH" == token && -f "$HOME/.ray/auth_token" ]]; then
+      chmod 600 "$HOME/.ray/auth_token"  # also one made earlier by Ray, or by `ray start` on its own
     fi
     say "head: GCS port $PORT, dashboard $([[ $DASHBOARD -eq 1 ]] && echo "http://$DASH_HOST:$DASH_PORT" || echo off), auth $AUTH"
     [[ "$DASH_HOST" == 127.0.0.1 || "$DASH_HOST" == localhost || $DASHBOARD -eq 0 ]] \

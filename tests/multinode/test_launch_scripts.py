@@ -53,6 +53,25 @@ def test_worker_with_token_auth_and_no_token_says_how_to_get_one(tmp_path):
     assert "no token here: copy the head's ~/.ray/auth_token, or export RAY_AUTH_TOKEN" in proc.stderr
 
 
+@pytest.mark.parametrize("existing", [False, True])
+def test_the_heads_token_file_is_readable_by_its_owner_only(tmp_path, existing):
+    # a stand-in `ray` that writes the token as Ray 2.60 does (open(path, "w"): mode 0666 less the umask)
+    fake = tmp_path / "ray"
+    fake.write_text('#!/bin/bash\nif [[ "$1" == get-auth-token ]]; then mkdir -p "$HOME/.ray"; '
+                    'echo t > "$HOME/.ray/auth_token"; fi\nexit 0\n')
+    fake.chmod(0o755)
+    token = tmp_path / ".ray" / "auth_token"
+    if existing:  # made earlier, world-readable
+        token.parent.mkdir()
+        token.write_text("t")
+        token.chmod(0o644)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    env.update(HOME=str(tmp_path), BALLAST_RAY_BIN=str(fake))
+    proc = _run([ROOT / "scripts" / "ray_cluster.sh", "head"], env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600
+
+
 def test_worker_gives_up_when_the_head_never_answers():
     proc = _run([ROOT / "scripts" / "ray_cluster.sh", "worker", "--address", "127.0.0.1:1", "--auth", "disabled",
                  "--wait-s", "1"])
