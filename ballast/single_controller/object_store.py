@@ -25,7 +25,8 @@ DEFAULT_BUCKET_BYTES = 256 << 20
 @dataclass(frozen=True)
 class StoredWeights:
     """What a rollout worker needs to load a weight version: the bucket references, in order, and the
-    weight-sync probe with the trainer's log-probs on it (None when the check is off)."""
+    weight-sync probe with the trainer's log-probs on it, of these weights and of the model directory's
+    (`start_log_probs`, what the rollout engine serves before its first load; None when the check is off)."""
 
     buckets: Tuple[ray.ObjectRef, ...]
     num_tensors: int
@@ -34,6 +35,7 @@ class StoredWeights:
     probe_tokens: Optional[Tuple[int, ...]] = None
     probe_log_probs: Optional[torch.Tensor] = None
     trainer_dtype: str = "float32"
+    start_log_probs: Optional[torch.Tensor] = None
 
 
 def put_buckets(named_tensors: Iterable[Tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -73,7 +75,7 @@ def iter_buckets(refs: Sequence[ray.ObjectRef]) -> Iterator[Tuple[str, torch.Ten
 @ray.remote(num_cpus=0)
 class WeightMailbox:
     """The newest exported weights, where rollout workers look for them during a generation (partial
-    rollouts: `trainer.v1.separate_async.partial_rollout`). The driver posts every export; a worker
+    rollouts: `trainer.ballast_overlap.partial_rollout`). The driver posts every export; a worker
     asks for anything newer than what it serves. Only the newest export is kept (its buckets stay in
     the object store while referenced here or by a worker loading them)."""
 

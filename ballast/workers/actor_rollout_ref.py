@@ -36,8 +36,9 @@ from ballast.workers.rollout.weight_sync import SyncMode, sync_actor, sync_mode
 from ballast.workers.agent_loop.runner import AgentLoopRunner
 from ballast.workers.agent_loop.tp import tp_agent_generate
 from ballast.workers.spec import ActorRolloutRefSpec
+from ballast.models import load_tokenizer
 from ballast.workers.sync_check import METRIC_PREFIX as SYNC_CHECK_PREFIX
-from ballast.workers.sync_check import SyncCheck, check_against_trainer, check_tolerance, probe_tokens
+from ballast.workers.sync_check import SyncCheck, probe_tokens, start_log_probs
 from ballast.workers.train_loop import UpdateResult, run_train_loop
 
 UPDATE_WEIGHTS_METRIC = "timing_s/update_weights"
@@ -75,7 +76,8 @@ class ActorRolloutRefWorker(Worker):
         self._tp_group = None
         self._weights_stale = False
         self._sync_mode = SyncMode.FULL
-        self._check: Optional[SyncCheck] = None  # the weight-sync check (None: off)
+        self._check: Optional[SyncCheck] = None  # the weight-sync check (None: off, or not calibrated yet)
+        self._export_probe = None  # a trainer pool: (probe tokens, the model directory's log-probs on them)
         self._served_version = -1  # a rollout pool of its own: the weight version the engine serves
         self._peak_flops = None  # measured in init_model, for perf/mfu/*
 
@@ -105,27 +107,43 @@ class ActorRolloutRefWorker(Worker):
             self.rollout = build_backend(_per_engine_seed(spec.rollout, self.rank // tp))
             if spec.agent is not None:
                 self._agents = AgentLoopRunner(self.rollout, spec.agent)
-            if self.actor is not None:
-                self.rollout.sleep()  # GPU: hand the memory to training until the first generate
-        return {"rank": self.rank, "pid": os.getpid(), **self._init_weight_sync()}
+        info = self._init_weight_sync()
+        if self.actor is not None and self.rollout is not None:
+            self.rollout.sleep()  # GPU: hand the memory to training until the first generate
+        return {"rank": self.rank, "pid": os.getpid(), **info}
 
     def _init_weight_sync(self) -> Dict[str, object]:
-        """Decide what a weight sync moves (reported to the driver, which says so at start-up)."""
-        if self.actor is None or self.rollout is None:
+        """Decide what a weight sync moves (reported to the driver, which says so at start-up), and
+        calibrate the weight-sync check while both sides still hold the model directory's weights."""
+        if self.actor is None:
+            return {}
+        check = self.spec.weight_sync
+        if self.rollout is None:  # a trainer pool: its exports carry the probe and the start's log-probs
+            if check.check:
+                tokens = self._probe_tokens(self.actor.model.config.vocab_size)
+                self._export_probe = (tokens, start_log_probs(self.actor, tokens))
             return {}
         has_adapter = self.actor.adapter is not None
         self._sync_mode = sync_mode(has_adapter, self.rollout)
         # The engine starts from the model directory alone: an adapter (also one loaded from disk) has
         # to reach it before the first rollout, and every rollout must then name it.
         self._weights_stale = has_adapter
-        if self.spec.weight_sync.check:
-            trainer_dtype = str(compute_dtype(self.actor.cfg, self.actor.parallel.device_type)).removeprefix("torch.")
-            tolerance = check_tolerance(self.spec.weight_sync.check_tolerance, self.rollout.config.resolved_dtype(),
-                                        trainer_dtype)
-            self._check = SyncCheck(probe_tokens(min(self.rollout.vocab_size, self.actor.model.config.vocab_size)),
-                                    tolerance)
-        return {"weight_sync": str(self._sync_mode), "adapter_rank": self.actor.adapter.max_rank if has_adapter else 0,
-                "adapter_unavailable": getattr(self.rollout, "adapter_unavailable", None)}
+        info: Dict[str, object] = {
+            "weight_sync": str(self._sync_mode), "adapter_rank": self.actor.adapter.max_rank if has_adapter else 0,
+            "adapter_unavailable": getattr(self.rollout, "adapter_unavailable", None)}
+        if check.check:
+            tokens = self._probe_tokens(min(self.rollout.vocab_size, self.actor.model.config.vocab_size))
+            self._check = SyncCheck(tokens, check.check_tolerance, self.rollout.config.resolved_dtype(),
+                                    self._trainer_dtype())
+            info.update(self._check.calibrate_colocated(self.rollout, self.actor))
+        return info
+
+    def _probe_tokens(self, vocab_size: int) -> tuple:
+        check = self.spec.weight_sync
+        return probe_tokens(load_tokenizer(check.tokenizer_path), vocab_size, check.probe_max_tokens)
+
+    def _trainer_dtype(self) -> str:
+        return str(compute_dtype(self.actor.cfg, self.actor.parallel.device_type)).removeprefix("torch.")
 
     # ------------------------------------------------------------------ rollout
     @register(Dispatch.DP_COMPUTE_PROTO, pad=True)
@@ -188,23 +206,30 @@ class ActorRolloutRefWorker(Worker):
 
     def _load_stored(self, weights: StoredWeights) -> Dict[str, list]:
         """A rollout pool of its own: stream the trainer's exported weights in from the object store,
-        then check them against the trainer's probe log-probs when the export carries them."""
-        start = time.perf_counter()
+        then check them against the trainer's probe log-probs when the export carries them (the check is
+        calibrated before the first load, while the engine still serves the model directory's weights)."""
         self.rollout.wake_up()
+        checked = weights.probe_log_probs is not None
+        if checked and self._check is None:
+            self._check = SyncCheck(weights.probe_tokens, self.spec.weight_sync.check_tolerance,
+                                    self.rollout.config.resolved_dtype(), weights.trainer_dtype)
+            self._check.calibrate(self._served_probe(), weights.start_log_probs)
+        start = time.perf_counter()
         loaded = self.rollout.load_weights(iter_buckets(weights.buckets))
         if loaded != weights.num_tensors:
             raise RuntimeError(f"rollout rank {self.rank} loaded {loaded} of the {weights.num_tensors} exported tensors")
         metrics: Dict[str, list] = {UPDATE_WEIGHTS_METRIC: [time.perf_counter() - start]}
         self._served_version = weights.version
-        if weights.probe_log_probs is not None:
+        if checked:
             start = time.perf_counter()
-            tolerance = check_tolerance(self.spec.weight_sync.check_tolerance, self.rollout.config.resolved_dtype(),
-                                        weights.trainer_dtype)
-            check = check_against_trainer(self.rollout, weights.probe_tokens, weights.probe_log_probs, tolerance,
-                                          f"weight version {weights.version} from the trainer pool")
+            check = self._check.verdict(self._served_probe(), weights.probe_log_probs,
+                                        f"weight version {weights.version} from the trainer pool")
             check[f"{SYNC_CHECK_PREFIX}/seconds"] = time.perf_counter() - start
             metrics.update({k: [v] for k, v in check.items()})
         return metrics
+
+    def _served_probe(self) -> torch.Tensor:
+        return self.rollout.prompt_log_probs([list(self._check.tokens)])[0]
 
     @register(Dispatch.ONE_TO_ALL)
     def export_weights(self, version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Optional[StoredWeights]:
@@ -219,14 +244,13 @@ class ActorRolloutRefWorker(Worker):
         else:
             for _ in named:  # every rank takes part in each bucket's gather
                 pass
-        probe = trained = None
-        if self.spec.weight_sync.check:
-            probe = probe_tokens(actor.model.config.vocab_size)
+        probe = trained = start = None
+        if self._export_probe is not None:
+            probe, start = self._export_probe
             trained = actor.probe_log_probs(list(probe))
         if self.rank != 0:
             return None
-        dtype = str(compute_dtype(actor.cfg, actor.parallel.device_type)).removeprefix("torch.")
-        return StoredWeights(tuple(refs), count, nbytes, version, probe, trained, dtype)
+        return StoredWeights(tuple(refs), count, nbytes, version, probe, trained, self._trainer_dtype(), start)
 
     def _transfer_dtype(self) -> Optional[torch.dtype]:
         name = self.spec.weight_sync.transfer_dtype

@@ -13,6 +13,7 @@ from typing import Callable, Optional
 from ballast.engine import EngineConfig
 from ballast.workers.agent_loop.config import AgentLoopSpec
 from ballast.workers.rollout import RolloutConfig, SamplingConfig
+from ballast.workers.sync_check import PROBE_TOKENS
 
 
 @dataclass(frozen=True)
@@ -33,18 +34,25 @@ class WeightSyncSpec:
     """How the actor's weights reach the rollout engine after an update. `layered`: gather at most one
     decoder layer at a time (verl's `rollout.layered_summon`). `check`: after every sync, compare the
     rollout engine's log-probs on a fixed probe with the actor's (`ballast.workers.sync_check`) and fail
-    the run beyond `check_tolerance` mean absolute difference (None: the default for the rollout's dtype).
-    `transfer_dtype`: a rollout pool of its own receives the weights in this dtype (the rollout's
-    `dtype` setting, "auto" resolved on the trainer's device; None: the trainer's own)."""
+    the run beyond `check_tolerance` mean absolute difference (None: calibrated at start-up). The probe
+    is tokenized with the tokenizer in `tokenizer_path` and cut to `probe_max_tokens` (at most the
+    rollout engine's context). `transfer_dtype`: a rollout pool of its own receives the weights in this
+    dtype (the rollout's `dtype` setting, "auto" resolved on the trainer's device; None: the trainer's own)."""
 
     layered: bool = False
     check: bool = False
     check_tolerance: Optional[float] = None
     transfer_dtype: Optional[str] = None
+    tokenizer_path: Optional[str] = None
+    probe_max_tokens: int = PROBE_TOKENS
 
     def __post_init__(self) -> None:
         if self.check_tolerance is not None and not self.check_tolerance > 0:
             raise ValueError(f"check_tolerance={self.check_tolerance!r} must be > 0 or None")
+        if self.check and self.tokenizer_path is None:
+            raise ValueError("the weight-sync check needs tokenizer_path (its probe is text in the model's tokens)")
+        if self.probe_max_tokens < 2:
+            raise ValueError(f"probe_max_tokens={self.probe_max_tokens} must be >= 2")
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from ballast.trainer.step.rollout_correction import loss_correction, rollout_cor
 from ballast.workers.agent_loop.config import AgentLoopSpec, MultiTurnConfig
 from ballast.workers.rollout import RolloutConfig, SamplingConfig
 from ballast.workers.spec import ActorRolloutRefSpec, CriticSpec, TrainLoopSpec, WeightSyncSpec
+from ballast.workers.sync_check import PROBE_TOKENS
 
 GIB = 1 << 30
 # Config prefix of each engine role, and of the model section it loads.
@@ -152,12 +153,15 @@ def rollout_config(cfg: BallastConfig, lora: Optional[LoraSpec] = None) -> Rollo
 
 def weight_sync_spec(cfg: BallastConfig, lora: LoraSpec) -> WeightSyncSpec:
     """`rollout.layered_summon` and the weight-sync check (on by default for LoRA runs and for a rollout
-    pool of its own, where the weights cross processes and nodes)."""
-    r = cfg.actor_rollout_ref.rollout
+    pool of its own, where the weights cross processes and nodes), whose probe must fit the engine's context."""
+    r, model = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model
     check = r.weight_sync_check if r.weight_sync_check is not None else (lora.enabled or split_pools(cfg))
     if r.weight_sync_check_tolerance is not None and not r.weight_sync_check_tolerance > 0:
         raise ConfigError(f"{ROLLOUT}.weight_sync_check_tolerance={r.weight_sync_check_tolerance} must be > 0")
-    return WeightSyncSpec(layered=r.layered_summon, check=check, check_tolerance=r.weight_sync_check_tolerance)
+    context = r.max_model_len or (r.prompt_length + r.response_length)
+    return WeightSyncSpec(layered=r.layered_summon, check=check, check_tolerance=r.weight_sync_check_tolerance,
+                          tokenizer_path=model.tokenizer_path or model.path,
+                          probe_max_tokens=min(PROBE_TOKENS, context))
 
 
 def agent_spec(cfg: BallastConfig) -> Optional[AgentLoopSpec]:
