@@ -12,8 +12,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-from ballast.balance import MicroBatchMode, MicroBatchPolicy
+from ballast.balance import MicroBatchMode, MicroBatchPolicy, PipelineShape
 from ballast.balance.bucketing import check_bucket_boundaries
+from ballast.balance.pipeline import SCHEDULE_KINDS
 
 # The allowed values of each choice field, stated once; the tuples are read back from the types.
 Role = Literal["actor", "critic", "ref"]
@@ -134,6 +135,68 @@ class LoraSpec:
 
 
 @dataclass(frozen=True)
+class PipelineSpec:
+    """Pipeline parallelism of an engine (`ballast.engine.pipeline`), in verl's Megatron terms.
+
+    `pp_size`: pipeline ranks (verl's `pipeline_model_parallel_size`; 1: no pipeline); the data-parallel
+    size is then world / pp_size. `virtual_stages`: stages per rank (`virtual_pipeline_model_parallel_size`).
+    `schedule`: `1f1b`, `interleaved_1f1b` or `zero_bubble` (torch.distributed.pipelining's Schedule1F1B,
+    ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble). `microbatch_group_size`: verl's
+    `microbatch_group_size_per_vp_stage` (null: pp_size, the only value torch's interleaved schedules run).
+    """
+
+    pp_size: int = 1
+    virtual_stages: int = 1
+    schedule: str = "1f1b"
+    microbatch_group_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.pp_size, bool) or not isinstance(self.pp_size, int) or self.pp_size < 1:
+            raise SpecError("pp_size", f"pipeline_model_parallel_size must be an int >= 1, got {self.pp_size!r}")
+        if self.schedule not in SCHEDULE_KINDS:
+            raise SpecError("schedule", f"pipeline schedule must be one of {SCHEDULE_KINDS}, got {self.schedule!r}")
+        if self.pp_size == 1:
+            if self.virtual_stages != 1:
+                raise SpecError("virtual_stages", f"virtual_pipeline_model_parallel_size={self.virtual_stages} needs "
+                                "pipeline_model_parallel_size > 1")
+            return
+        try:
+            self.shape
+        except ValueError as err:
+            field_name = "microbatch_group_size" if "group_size" in str(err) else (
+                "virtual_stages" if "virtual" in str(err) else "schedule")
+            raise SpecError(field_name, str(err)) from None
+
+    @property
+    def enabled(self) -> bool:
+        return self.pp_size > 1
+
+    @property
+    def shape(self) -> PipelineShape:
+        return PipelineShape(self.pp_size, self.virtual_stages, self.schedule, self.microbatch_group_size)
+
+
+def _check_pipeline_composes(cfg: "EngineConfig") -> None:
+    """What a pipeline engine does not do, named at construction (each a SpecError on its field)."""
+    pp = cfg.pipeline.pp_size
+    rules = (
+        ("use_remove_padding", not cfg.use_remove_padding,
+         "needs use_remove_padding=True (micro-batches travel as packed token slots)"),
+        ("ulysses_sequence_parallel_size", cfg.ulysses_sequence_parallel_size > 1,
+         f"does not compose with Ulysses sequence parallelism (ulysses_sequence_parallel_size="
+         f"{cfg.ulysses_sequence_parallel_size}): set one of them to 1"),
+        ("lora", cfg.lora.enabled, "does not train LoRA adapters: set lora_rank=0 or pipeline_model_parallel_size=1"),
+        ("cpu_offload", cfg.cpu_offload, "does not offload parameters: set param_offload/offload_policy false"),
+        ("fsdp_size", cfg.fsdp_size not in (-1, 1),
+         f"keeps whole replicas of each stage (fsdp_size={cfg.fsdp_size} would shard them): set fsdp_size -1 or 1"),
+        ("precision", cfg.precision == "bf16", "computes in fp32 only: set the mixed precision param_dtype to fp32"),
+    )
+    for name, broken, why in rules:
+        if broken:
+            raise SpecError(name, f"pipeline parallelism (pipeline_model_parallel_size={pp}) {why}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """What one engine (actor, critic or reference model) loads and how it is parallelised.
 
@@ -144,7 +207,9 @@ class EngineConfig:
     (-1 or >= the world size: one copy sharded over every rank; k: hybrid sharding, world / k replicas
     of a k-way shard, each replica gradient-summed with the others; 1: every rank holds the whole model).
     `lora`: train a LoRA adapter instead of the full weights (`LoraSpec.enabled`); the reference role
-    never carries one (it is the actor with the adapter switched off).
+    never carries one (it is the actor with the adapter switched off). `pipeline`: pipeline parallelism
+    (`PipelineSpec`; `ballast.engine.build_engine` then builds a `PipelineEngine`); what it does not
+    compose with is a `SpecError` here.
     """
 
     model_path: str
@@ -163,6 +228,7 @@ class EngineConfig:
     logprob_chunk_tokens: int = 1024
     trust_remote_code: bool = False
     lora: LoraSpec = field(default_factory=LoraSpec)
+    pipeline: PipelineSpec = field(default_factory=PipelineSpec)
 
     def __post_init__(self) -> None:
         for name, allowed in (("role", ROLES), ("device", DEVICES), ("precision", PRECISIONS),
@@ -193,6 +259,10 @@ class EngineConfig:
         if self.lora.enabled and not self.trainable:
             raise SpecError("lora", f"role {self.role!r} trains nothing and cannot carry a LoRA adapter "
                                     "(the reference model with LoRA is the actor with its adapter disabled)")
+        if not isinstance(self.pipeline, PipelineSpec):
+            raise SpecError("pipeline", f"pipeline must be a PipelineSpec, got {self.pipeline!r}")
+        if self.pipeline.enabled:
+            _check_pipeline_composes(self)
 
     @property
     def trainable(self) -> bool:

@@ -93,6 +93,11 @@ class ParallelState:
         return self.dp_size * self.sp_size
 
     @property
+    def collects(self) -> bool:
+        """Whether this rank answers for its SP group (every SP peer holds the same results)."""
+        return self.sp_rank == 0
+
+    @property
     def shard_size(self) -> int:
         """Ranks that share one copy of the parameters (the world unless there are replicas)."""
         return self.param_mesh.size(self.param_mesh.ndim - 1)

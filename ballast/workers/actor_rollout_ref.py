@@ -19,7 +19,7 @@ from typing import Dict, Optional
 import torch
 from tensordict import TensorDict
 
-from ballast.engine import TrainEngine
+from ballast.engine import TrainEngine, build_engine
 from ballast.engine.dist import init_distributed, resolve_device_type
 from ballast.engine.parallelize import compute_dtype
 from ballast.protocol import Batch, Output
@@ -90,16 +90,16 @@ class ActorRolloutRefWorker(Worker):
         torch.manual_seed(spec.seed)
         self._peak_flops = peak_flops(device_type)
         if spec.actor is not None:
-            self.actor = TrainEngine(spec.actor, seed=spec.seed)
+            self.actor = build_engine(spec.actor, seed=spec.seed)
             p = self.actor.parallel
-            self.set_mesh_info("actor", p.dp_rank, p.dp_size, p.sp_rank == 0)
+            self.set_mesh_info("actor", p.dp_rank, p.dp_size, p.collects)
         if spec.ref is not None:
-            self.ref = TrainEngine(spec.ref, seed=spec.seed)
+            self.ref = build_engine(spec.ref, seed=spec.seed)
             p = self.ref.parallel
-            self.set_mesh_info("ref", p.dp_rank, p.dp_size, p.sp_rank == 0)
+            self.set_mesh_info("ref", p.dp_rank, p.dp_size, p.collects)
         elif spec.ref_in_actor:  # LoRA: the reference is the actor without its adapter, on the actor's mesh
             p = self.actor.parallel
-            self.set_mesh_info("ref", p.dp_rank, p.dp_size, p.sp_rank == 0)
+            self.set_mesh_info("ref", p.dp_rank, p.dp_size, p.collects)
         if spec.rollout is not None:
             tp = spec.rollout.tensor_model_parallel_size
             if tp > 1:

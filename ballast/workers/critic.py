@@ -7,7 +7,7 @@ from typing import Dict, Optional
 
 import torch
 
-from ballast.engine import TrainEngine
+from ballast.engine import TrainEngine, build_engine
 from ballast.engine.dist import init_distributed, resolve_device_type
 from ballast.protocol import Batch
 from ballast.single_controller import Dispatch, Worker, register
@@ -27,9 +27,9 @@ class CriticWorker(Worker):
     def init_model(self) -> Dict[str, object]:
         init_distributed(resolve_device_type(self.spec.critic.device), timeout_s=self.spec.dist_timeout_s)
         torch.manual_seed(self.spec.seed)
-        self.critic = TrainEngine(self.spec.critic, seed=self.spec.seed)
+        self.critic = build_engine(self.spec.critic, seed=self.spec.seed)
         p = self.critic.parallel
-        self.set_mesh_info("critic", p.dp_rank, p.dp_size, p.sp_rank == 0)
+        self.set_mesh_info("critic", p.dp_rank, p.dp_size, p.collects)
         return {"rank": self.rank, "pid": os.getpid()}
 
     @register(Dispatch.MESH, mesh="critic")

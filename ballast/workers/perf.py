@@ -73,5 +73,5 @@ def mfu_metrics(name: str, engine, data, seconds: float, peak: Optional[float], 
     total = torch.tensor([flops], dtype=torch.float64, device=parallel.device)
     if parallel.dp_size > 1:
         dist.all_reduce(total, group=parallel.dp_group)
-    # SP peers hold the same rows: count them once (dp sum), but every rank's peak is available.
-    return {f"perf/mfu/{name}": float(total[0]) / (seconds * peak * parallel.dp_size * parallel.sp_size)}
+    # SP (and pipeline) peers hold the same rows: count them once (dp sum), but every rank's peak is available.
+    return {f"perf/mfu/{name}": float(total[0]) / (seconds * peak * parallel.world_size)}

@@ -18,7 +18,9 @@ for the objective of the engine that runs the phase (`phase_objectives`): where 
 collective every micro-batch (FSDP2 re-gathering parameters) a step waits on the lockstep cost; where
 they meet once per mini-batch (DDP, frozen replicas) on the slowest rank's total. With
 `actor_rollout_ref.actor.use_prefix_grouper` the actor's and the reference's phases are planned over
-prompts (a prompt's rows never split; each prompt runs once, `ballast.balance.shared_prompts`).
+prompts (a prompt's rows never split; each prompt runs once, `ballast.balance.shared_prompts`). A role
+with pipeline parallelism (`<role>.megatron.pipeline_model_parallel_size` > 1) is planned with its
+pipeline cost model (`RoleSizes.policy`): fixed slots, counts the schedule runs, the planned order.
 """
 
 from __future__ import annotations
@@ -101,7 +103,7 @@ class StepPlanner:
     def inference(self, role: str) -> PhasePlan:
         """The plan of `role`'s inference pass over every row (identical requests share one plan)."""
         sizes = self._role(role)
-        policy = sizes.infer.policy(sizes.sp_size)
+        policy = sizes.policy(sizes.infer)
         key = (sizes.dp_size, policy, self.objectives.get((role, False)), self._shares_prompts(role))
         if key not in self._inference:
             self._inference[key] = plan_phase(row_lengths(self.batch), sizes.dp_size, policy,
@@ -112,7 +114,7 @@ class StepPlanner:
         """The plan of `role`'s update (every epoch and mini-batch)."""
         sizes = self._role(role)
         role_cfg = self.cfg.actor_rollout_ref.actor if role == "actor" else self.cfg.critic
-        policy = sizes.train.policy(sizes.sp_size)
+        policy = sizes.policy(sizes.train)
         return plan_phase(row_lengths(self.batch), sizes.dp_size, policy, mini_batch_samples=sizes.mini_batch_samples,
                           epochs=role_cfg.ppo_epochs, shuffle=role_cfg.shuffle,
                           seed=[self.cfg.trainer.seed, self.global_step, ROLES.index(role)],
@@ -122,7 +124,7 @@ class StepPlanner:
         """The actor's forward-only plan over each rank's rows after its first mini-batch, or None
         when the update has a single mini-batch (see `plan_after_first_mini_batch`)."""
         sizes = self.sizes.actor
-        policy = sizes.infer.policy(sizes.sp_size)
+        policy = sizes.policy(sizes.infer)
         share = self._shares_prompts("actor")
         prompts = prompt_lengths(self.batch) if policy.mode is MicroBatchMode.BUCKETED or share else None
         return plan_after_first_mini_batch(row_lengths(self.batch), actor_plan, policy, self.workload, prompts,

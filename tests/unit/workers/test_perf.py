@@ -12,7 +12,7 @@ MODEL = FlopsModel(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, in
 
 
 def _engine(workload=MODEL, dp=1, sp=1):
-    parallel = SimpleNamespace(dp_size=dp, sp_size=sp, device=torch.device("cpu"), dp_group=None)
+    parallel = SimpleNamespace(dp_size=dp, sp_size=sp, world_size=dp * sp, device=torch.device("cpu"), dp_group=None)
     return SimpleNamespace(workload=workload, parallel=parallel)
 
 

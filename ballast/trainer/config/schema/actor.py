@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional
 
-from ballast.trainer.config.schema.model import FSDPConfig, LossAggMode, OptimSection, Strategy
+from ballast.trainer.config.schema.model import (FSDPConfig, LossAggMode, MegatronSection, OptimSection,
+                                                 PipelineSchedule, Strategy)
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,8 @@ class ActorConfig:
     grad_clip_min_batch_size: int
     """Samples in a mini-batch (all ranks) from which `grad_clip` applies in full (adaptive clipping)."""
     clip_ratio: float
-    """PPO clip range; also the default of `clip_ratio_low` and `clip_ratio_high`."""
+    """PPO clip range where `clip_ratio_low` / `clip_ratio_high` are null; they default to verl's 0.2, so,
+    as in verl, setting this alone does not move them."""
     clip_ratio_low: Optional[float]
     """Lower clip range (1 - low); null: `clip_ratio`."""
     clip_ratio_high: Optional[float]
@@ -83,6 +85,11 @@ class ActorConfig:
     """The actor's optimizer."""
     fsdp_config: FSDPConfig
     """The actor's FSDP2 sharding and offload."""
+    megatron: MegatronSection
+    """verl's pipeline sizes for the actor's engine (`pipeline_model_parallel_size` > 1: the pipeline engine)."""
+    pipeline_schedule: PipelineSchedule
+    """Ballast: the pipeline schedule, `1f1b`, `interleaved_1f1b` or `zero_bubble` (used with
+    `megatron.pipeline_model_parallel_size` > 1; virtual stages need one of the last two)."""
 
 
 @dataclass(frozen=True)
@@ -98,3 +105,7 @@ class RefConfig:
     fsdp_config: FSDPConfig
     """The reference model's FSDP2 offload (`param_offload` or `offload_policy`: FSDP2 CPU offload) and
     resharding; a null field is the actor's."""
+    megatron: MegatronSection
+    """verl's pipeline sizes for the reference engine (by default the actor's)."""
+    pipeline_schedule: PipelineSchedule
+    """Ballast: the reference engine's pipeline schedule (by default the actor's)."""

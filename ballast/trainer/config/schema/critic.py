@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from ballast.trainer.config.schema.model import FSDPConfig, LossAggMode, ModelConfig, OptimSection, Strategy
+from ballast.trainer.config.schema.model import (FSDPConfig, LossAggMode, MegatronSection, ModelConfig,
+                                                 OptimSection, PipelineSchedule, Strategy)
 
 
 @dataclass(frozen=True)
@@ -54,3 +55,8 @@ class CriticConfig:
     """The critic's optimizer."""
     fsdp_config: FSDPConfig
     """The critic's FSDP2 sharding and offload."""
+    megatron: MegatronSection
+    """verl's pipeline sizes for the critic's engine (`pipeline_model_parallel_size` > 1: the pipeline engine)."""
+    pipeline_schedule: PipelineSchedule
+    """Ballast: the pipeline schedule, `1f1b`, `interleaved_1f1b` or `zero_bubble` (used with
+    `megatron.pipeline_model_parallel_size` > 1; virtual stages need one of the last two)."""

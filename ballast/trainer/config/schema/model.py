@@ -13,6 +13,31 @@ Strategy = choice("Strategy", __name__, "fsdp", "fsdp2")
 # The engine's aggregations (`ballast.engine.losses.LOSS_AGG_MODES`; a test keeps the two equal).
 LossAggMode = choice("LossAggMode", __name__, "token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                      "seq-mean-token-sum-norm")
+# The pipeline engine's schedules (`ballast.balance.pipeline.SCHEDULE_KINDS`; a test keeps the two equal).
+PipelineSchedule = choice("PipelineSchedule", __name__, "1f1b", "interleaved_1f1b", "zero_bubble")
+
+
+@dataclass(frozen=True)
+class TransformerOverrides:
+    """The one field of verl's `megatron.override_transformer_config` that Ballast reads."""
+
+    microbatch_group_size_per_vp_stage: Optional[int]
+    """Micro-batches a virtual pipeline stage runs in a row (Megatron's); with virtual stages the
+    micro-batch count is a multiple of it. null: `pipeline_model_parallel_size`, the only value
+    torch.distributed.pipelining's interleaved schedules run (any other is a start-up error)."""
+
+
+@dataclass(frozen=True)
+class MegatronSection:
+    """verl's `megatron` sizes of a role. Ballast runs them with its own pipeline engine
+    (torch.distributed.pipelining, docs/pipeline.md), not Megatron-LM; only the pipeline sizes are read."""
+
+    pipeline_model_parallel_size: int
+    """Pipeline ranks the model is cut across (1: no pipeline); data-parallel size = workers / this."""
+    virtual_pipeline_model_parallel_size: Optional[int]
+    """Stages per pipeline rank (interleaved and zero-bubble schedules); null: 1."""
+    override_transformer_config: TransformerOverrides
+    """Megatron transformer settings; only `microbatch_group_size_per_vp_stage` is read."""
 
 
 @dataclass(frozen=True)
