@@ -5,12 +5,14 @@ Two measurements, each a set of whole `python -m ballast.trainer.main --config-n
 
 * `--case io` (speed): the reward waits on I/O, as a remote verifier service does: every batch's
   scoring sleeps `--latency-s` in total (spread evenly over its samples; the driver's CPU is free
-  meanwhile). Sync (`trainer.v1.trainer_mode=sync`) and each `--ahead` k (`colocate_async`,
-  `num_warmup_batches=k`) run the same prompts, steps and seeds, interleaved `--repeats` times so a
+  meanwhile). Sync (`trainer.v1.trainer_mode=sync`) and each `--ahead` k (Ballast's colocated overlap,
+  `trainer.ballast_overlap.batches_ahead=k`) run the same prompts, steps and seeds, interleaved `--repeats` times so a
   loaded machine affects them alike. Reported: the mean `timing_s/step` over the steps after
   `--warmup`, its phases, the idle ratios, and the ratio of each k to sync. `--split-ahead K,...` adds
   `separate_async` variants (`split_kK`): one trainer and one rollout worker on pools of their own
-  instead of two colocated workers, the same two cores.
+  instead of two colocated workers, the same two cores (the batched rollout, so without partial
+  rollouts: `trainer.ballast_overlap.partial_rollout=false`; `parameter_sync_step` local updates of
+  one quickstart mini-batch each).
 * `--case learn` (learning): whole quickstart runs, sync vs k for every seed in `--seeds`, no reward
   latency; held-out (greedy) score at the start and at the end, and the mean training score of the
   last 10 steps.
@@ -20,7 +22,7 @@ Two measurements, each a set of whole `python -m ballast.trainer.main --config-n
 
 * `--case partial` (partial rollouts): split pools, one batch ahead, request-level rollout whose
   conversations wait `--tool-s` on a stand-in tool between three sampled turns (so the trainer's update
-  lands while they are in flight), with `trainer.v1.separate_async.partial_rollout` off and on,
+  lands while they are in flight), with `trainer.ballast_overlap.partial_rollout` off and on,
   interleaved `--repeats` times: step time, how stale the tokens are (verl's trajectory_staleness from
   each sample's freshest tokens, _worst from its oldest, spans), the rollout-vs-trainer mismatch
   (`rollout_corr/k3_kl`) and the mid-call weight loads.
@@ -93,7 +95,7 @@ def variant_overrides(ahead: int, split: bool = False, train_batch_size: int = 1
                 "actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1"]
     if ahead == 0:
         return ["trainer.v1.trainer_mode=sync"]
-    return ["trainer.v1.trainer_mode=colocate_async", f"trainer.v1.colocate_async.num_warmup_batches={ahead}"]
+    return [f"trainer.ballast_overlap.batches_ahead={ahead}"]
 
 
 def run(name: str, overrides: List[str], log_dir: str, env_extra: Dict[str, str]) -> List[dict]:
@@ -121,7 +123,9 @@ def io_case(args, log_dir: str) -> dict:
               "trainer.test_freq=-1", "trainer.val_before_train=false", f"data.train_batch_size={args.train_batch_size}",
               f"actor_rollout_ref.rollout.n={args.n}", *args.override]
     variants = {f"k{k}": variant_overrides(k) for k in [0] + args.ahead}
-    variants.update({f"split_k{k}": variant_overrides(k, True, args.train_batch_size) for k in args.split_ahead})
+    # the batched rollout cannot be interrupted: the split variants keep each batch on its starting weights
+    variants.update({f"split_k{k}": [*variant_overrides(k, True, args.train_batch_size),
+                                     "trainer.ballast_overlap.partial_rollout=false"] for k in args.split_ahead})
     runs: Dict[str, List[dict]] = {name: [] for name in variants}
     for r in range(args.repeats):
         for name, overrides in variants.items():
@@ -167,7 +171,7 @@ def partial_case(args, log_dir: str) -> dict:
     runs: Dict[str, List[dict]] = {"partial_off": [], "partial_on": []}
     for r in range(args.repeats):
         for name in runs:
-            flag = f"trainer.v1.separate_async.partial_rollout={name == 'partial_on'}"
+            flag = f"trainer.ballast_overlap.partial_rollout={name == 'partial_on'}"
             rows = [row for row in run(f"partial_{name}_r{r}", common + [flag], log_dir, env)
                     if "timing_s/step" in row][args.warmup:]
             runs[name].append({k: statistics.mean(row.get(key, 0.0) for row in rows) for k, key in keys.items()})

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The GPU smoke check: one script a CUDA machine runs, ending in a summary table. Warm it takes a few
-# minutes; a cold machine also pays the vLLM import, engine start-up (kernel loading, memory
+# The GPU smoke check: one script a CUDA machine runs, ending in a summary table. Warm, phases 1-2 take a
+# few minutes and each run of phase 3 about as long as phase 2 (the runs of phase 3 are not yet timed on
+# a GPU); a cold machine also pays the vLLM import, engine start-up (kernel loading, memory
 # profiling), NCCL communicator set-up and Ray start, so each phase has a generous time limit:
-#   BALLAST_SMOKE_PYTEST_S (default 300), BALLAST_SMOKE_GRPO_S (300), BALLAST_SMOKE_BENCH_S (120).
+#   BALLAST_SMOKE_PYTEST_S (default 300), BALLAST_SMOKE_GRPO_S (300), BALLAST_SMOKE_RUN_S (300, each run
+#   of phase 3), BALLAST_SMOKE_BENCH_S (120).
 #
 #   bash scripts/gpu_smoke.sh            # in the Docker image, or after scripts/setup.sh on a GPU box
 #   bash scripts/gpu_smoke.sh --setup    # run scripts/setup.sh first (not counted in the 5 minutes)
@@ -14,7 +16,17 @@
 #                       NCCL between min(2, #GPUs) workers (its log lines are the workers', in the run's
 #                       logs/ folder); metrics must be finite and vLLM must agree with the FSDP actor on
 #                       the sampled tokens
-# 3. engine benchmark   benchmarks/engine_bench.py --device cuda --json (when present): the update
+# 3. more runs         3 GRPO steps each on phase 2's model and data, every metric finite:
+#                       - LoRA: a rank-8 adapter synced adapter-only into the sleeping vLLM engine, the
+#                         weight-sync check passing after every sync
+#                       - split pools (2+ GPUs): a rollout pool of its own, weights through the object store
+#                       - async agent (2+ GPUs): multi-turn conversations on split pools with partial
+#                         rollouts; a 1 s pause between turns stands in for a slow tool (the tiny random
+#                         model calls no tool), so the trainer's update interrupts requests in flight,
+#                         which resume under the new weights (at least one must)
+#                       - rollout TP=2 (2+ GPUs): one vLLM engine over two colocated workers
+#                       On one GPU the 2-GPU runs are reported as SKIP.
+# 4. engine benchmark   benchmarks/engine_bench.py --device cuda --json (when present): the update
 #                       throughput of static vs dynamic micro-batches on this GPU
 # Exit code: 0 when every step passed, 1 when one failed, 2 when there is no usable GPU (it never
 # pretends to pass on a CPU machine). Outputs land in $BALLAST_SMOKE_DIR (default .cache/gpu_smoke).
@@ -49,6 +61,7 @@ export RAY_USAGE_STATS_ENABLED=0 VLLM_NO_USAGE_STATS=1 WANDB_MODE=disabled
 export BALLAST_CACHE_DIR="${BALLAST_CACHE_DIR:-$ROOT/.cache}" NCCL_DEBUG="${NCCL_DEBUG:-INFO}"
 WORKERS=$(( NUM_GPUS >= 2 ? 2 : 1 ))
 PYTEST_S="${BALLAST_SMOKE_PYTEST_S:-300}" GRPO_S="${BALLAST_SMOKE_GRPO_S:-300}" BENCH_S="${BALLAST_SMOKE_BENCH_S:-120}"
+RUN_S="${BALLAST_SMOKE_RUN_S:-300}"
 # The tiny model's KV cache: 64 MiB is thousands of blocks for it. Left to gpu_memory_utilization,
 # 0.3 of a 141 GB GPU would be millions of blocks (slow to allocate and to manage, for nothing).
 KV_BYTES=$(( 64 << 20 ))
@@ -114,7 +127,81 @@ if [[ $WORKERS -ge 2 ]] && ! grep -rqs "NCCL INFO" "$OUT/grpo.log" "$RUN/logs"; 
 fi
 record "GRPO cuda+vllm+nccl x$WORKERS" "$([[ $rc -eq 0 ]] && echo PASS || echo "FAIL($rc)")" $((SECONDS - start)) "$note"
 
-# --- 3. engine benchmark ---------------------------------------------------------------------------
+# --- 3. LoRA, split pools, an async agent with interrupted requests, rollout TP ----------------------
+# Phase 2's settings without its run directory and worker count; each run adds its own.
+COMMON=(
+  "actor_rollout_ref.model.path=$OUT/model" "data.train_files=$OUT/data/train.parquet" trainer.device=cuda
+  actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.gpu_memory_utilization=0.3
+  "actor_rollout_ref.rollout.kv_cache_memory_bytes=$KV_BYTES"
+  actor_rollout_ref.rollout.calculate_log_probs=True algorithm.adv_estimator=grpo
+  data.train_batch_size=8 actor_rollout_ref.rollout.n=4 actor_rollout_ref.actor.ppo_mini_batch_size=4
+  data.max_prompt_length=64 data.max_response_length=32 actor_rollout_ref.actor.use_dynamic_bsz=True
+  actor_rollout_ref.actor.ppo_max_token_len_per_gpu=1024 actor_rollout_ref.actor.optim.lr=1e-3
+  trainer.total_training_steps=3 trainer.save_freq=-1 trainer.test_freq=-1 trainer.val_before_train=false
+  trainer.resume_mode=disable 'trainer.logger=[jsonl]' "trainer.worker_timeout_s=$RUN_S"
+)
+LORA_RUN=("trainer.n_gpus_per_node=$WORKERS" actor_rollout_ref.model.lora_rank=8 actor_rollout_ref.model.lora_alpha=16
+  actor_rollout_ref.actor.optim.lr=2e-2)
+# one local update per step, on the whole batch (parameter_sync_step x ppo_mini_batch_size = train_batch_size)
+SPLIT_POOLS=(trainer.v1.trainer_mode=separate_async actor_rollout_ref.hybrid_engine=False trainer.n_gpus_per_node=1
+  actor_rollout_ref.rollout.nnodes=1 actor_rollout_ref.rollout.n_gpus_per_node=1
+  trainer.v1.separate_async.parameter_sync_step=1 actor_rollout_ref.actor.ppo_mini_batch_size=8)
+SPLIT_RUN=("${SPLIT_POOLS[@]}" trainer.v1.separate_async.num_warmup_batches=0)
+# testkit.agent.WaitingLoop (tests/ on PYTHONPATH, which the workers inherit): three sampled turns, 1 s apart
+ASYNC_RUN=("${SPLIT_POOLS[@]}" trainer.v1.separate_async.num_warmup_batches=1 trainer.ballast_overlap.partial_rollout=true
+  actor_rollout_ref.rollout.mode=async "actor_rollout_ref.rollout.agent.agent_loop_config_path=$OUT/loops.yaml"
+  actor_rollout_ref.rollout.agent.default_agent_loop=waiting)
+TP_RUN=(trainer.n_gpus_per_node=2 actor_rollout_ref.rollout.tensor_model_parallel_size=2)
+printf -- '- name: waiting\n  _target_: testkit.agent.WaitingLoop\n' >"$OUT/loops.yaml"
+
+smoke_run() {  # smoke_run NAME KIND GPUS OVERRIDES...: 3 steps with COMMON + OVERRIDES, then KIND's metric checks
+  local name="$1" kind="$2" gpus="$3" run="$OUT/$2" start=$SECONDS rc note
+  shift 3
+  if [[ $NUM_GPUS -lt $gpus ]]; then record "$name" SKIP 0 "needs $gpus GPUs, this machine has $NUM_GPUS"; return; fi
+  PYTHONPATH="$ROOT/tests${PYTHONPATH:+:$PYTHONPATH}" timeout "$RUN_S" "$PY" -m ballast.trainer.main "${COMMON[@]}" \
+    "trainer.default_local_dir=$run" "$@" >"$OUT/$kind.log" 2>&1
+  rc=$?
+  tail -2 "$OUT/$kind.log"
+  if [[ $rc -eq 0 ]]; then
+    note="$("$PY" - "$run/metrics.jsonl" "$kind" "$OUT/$kind.log" <<'PY' 2>&1
+import json, math, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+kind, log = sys.argv[2], open(sys.argv[3]).read()
+assert [r["step"] for r in rows] == [1, 2, 3], f"steps {[r['step'] for r in rows]}"
+need = {"lora": ["rollout/sync_check/mean_abs_diff", "rollout/sync_check/tolerance", "rollout/sync_check/adapter_effect"],
+        "split": ["timing_s/export_weights"], "async": ["rollout/partial/weight_loads"], "tp": []}[kind]
+keys = ["actor/pg_loss", "actor/grad_norm", "critic/score/mean", "training/rollout_actor_log_prob_diff/max"]
+bad = {k: r.get(k) for r in rows for k in keys if not isinstance(r.get(k), float) or not math.isfinite(r[k])}
+bad.update({k: None for k in need if not any(isinstance(r.get(k), float) and math.isfinite(r[k]) for r in rows)})
+assert not bad, f"missing or non-finite: {bad}"
+checked = [r["rollout/sync_check/mean_abs_diff"] for r in rows if "rollout/sync_check/mean_abs_diff" in r]
+if kind == "lora":  # adapter-only sync into the sleeping engine (not merged weights), checked after every sync
+    assert "LoRA weight sync: adapter only" in log, "the adapter was not synced on its own"
+    assert len(checked) == 3 and rows[-1]["rollout/sync_check/adapter_effect"] > 0, checked
+if kind == "split":
+    assert len(checked) >= 2, f"weight-sync checks on the rollout pool: {checked}"
+if kind == "async":  # a request interrupted by new weights resumes under them: two weight versions in it
+    spans = [r.get("training/off_policy/trajectory_spans/max", 0) for r in rows]
+    assert max(spans) == 2 and max(r["rollout/partial/weight_loads"] for r in rows) >= 1, spans
+diff = rows[-1]["training/rollout_actor_log_prob_diff/max"]
+# as phase 2's bound; not for partial rollouts, whose tokens are up to one update older than the actor
+assert kind == "async" or diff < 0.3, f"vLLM and the actor disagree after weight sync: max |log-prob diff| {diff:.3g}"
+print(f"3 steps, {rows[-1]['timing_s/step']:.2f} s/step, {len(checked)} sync checks, max log-prob diff {diff:.2g}")
+PY
+)" || rc=1
+    note="${note##*$'\n'}"
+  else
+    note="$(grep '^ballast: ' "$OUT/$kind.log" | tail -1)"
+    [[ -n "$note" ]] || note="$(tail -1 "$OUT/$kind.log")"
+  fi
+  record "$name" "$([[ $rc -eq 0 ]] && echo PASS || echo "FAIL($rc)")" $((SECONDS - start)) "$note"
+}
+smoke_run "LoRA GRPO x$WORKERS" lora 1 "${LORA_RUN[@]}"
+smoke_run "split pools 1+1" split 2 "${SPLIT_RUN[@]}"
+smoke_run "async agent, partial rollouts" async 2 "${ASYNC_RUN[@]}"
+smoke_run "rollout TP=2" tp 2 "${TP_RUN[@]}"
+
+# --- 4. engine benchmark ---------------------------------------------------------------------------
 start=$SECONDS
 if [[ -f benchmarks/engine_bench.py ]]; then
   timeout "$BENCH_S" "$PY" benchmarks/engine_bench.py --device cuda --json "$OUT/engine_bench.json" >"$OUT/engine_bench.log" 2>&1

@@ -13,16 +13,18 @@ What this driver leaves out of verl's `RayPPOTrainer.fit`, and why:
    `trainer.v1.trainer_mode=separate_async` moves the rollout to a pool of its own, the weights
    crossing through the object store after every update (`RolloutWeights`); no per-role pools
    beyond that, no standalone rollout servers.
-2. Whole batches, at most k updates old. By default a step trains on samples generated with its
+2. Whole batches, taken in launch order. By default a step trains on samples generated with its
    own weights (exactly train_batch_size x n of them: dynamic sampling, `algorithm.filter_groups`,
-   draws more batches until that many are kept). `trainer.v1.trainer_mode=colocate_async` generates
-   the next `num_warmup_batches` steps' batches ahead on the same workers while a step trains
-   (`RolloutPipeline`; `separate_async` the same on the rollout's own pool); every generation batch
-   starts on one weight version (dynamic sampling's further batches of a step on the latest one),
-   and with `separate_async.partial_rollout` the trainer's next weights take over the requests in
-   flight (each token's version recorded). With rollout.mode=async each sample is an agent loop (multi-turn,
-   with tools) on request-level rollout inside the rollout workers. Every per-rank size
-   is known at start-up (`DerivedSizes`), so a bad combination fails before any worker starts.
+   draws more batches until that many are kept). Ballast's `trainer.ballast_overlap.batches_ahead=k`
+   generates the next k steps' batches on the same workers while a step trains (`RolloutPipeline`),
+   and `separate_async` does the same on the rollout's own pool with verl's window
+   (`num_warmup_batches`), its partial rollouts (the trainer's next weights take over the requests in
+   flight, each token's version recorded) and its `parameter_sync_step` local updates per step
+   (`local_updates`). verl's `colocate_async` (colocated partial rollouts sampled from a replay
+   buffer) is refused at start-up (`ballast.trainer.config.off_policy`). With rollout.mode=async each
+   sample is an agent loop (multi-turn, with tools) on request-level rollout inside the rollout
+   workers. Every per-rank size is known at start-up (`DerivedSizes`), so a bad combination fails
+   before any worker starts.
 3. Rule rewards on the driver. No reward-model worker and no ReMax baseline generation: each is a
    branch of verl's loop that Ballast's batch-path guarantees would have to be re-proven for.
 4. Old log-probs come from the actor, unless rollout correction's bypass mode takes the rollout
@@ -38,7 +40,8 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import Dict, Optional
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -73,11 +76,23 @@ from ballast.trainer.step.advantage_phase import rewards_and_advantages
 from ballast.trainer.step.rollout_weights import RolloutWeights
 from ballast.trainer.step.rollout_pipeline import (PendingRollout, Rollout, RolloutPipeline, idle_metrics,
                                                    load_rollouts_ahead, save_rollouts_ahead, staleness_metrics)
-from ballast.trainer.config.off_policy import staleness_bound
+from ballast.trainer.config.off_policy import overlap
+from ballast.trainer.step.local_updates import merge_local_metrics, share_rows
 
 
 # Rollout call indices (sampling seeds) of the extra generation batches of dynamic sampling.
 EXTRA_GENERATION_CALL_STRIDE = 1 << 24
+
+
+@dataclass
+class LocalUpdate:
+    """One local update of a step: its rows, the actor's plan and results (None without an actor update)
+    and its metrics, which the rollout-correction figures join once the next batches are launched."""
+
+    batch: Batch
+    actor_plan: Optional[PhasePlan]
+    results: Optional[Sequence]
+    metrics: Dict[str, float]
 
 
 class NonFiniteStepsError(RuntimeError):
@@ -102,9 +117,11 @@ class RayPPOTrainer:
         self._nonfinite_in_a_row = 0
         self._pending_metrics: Dict[str, float] = {}  # measured after a step's row was logged
         self._step_clock = time.perf_counter()
-        self.rollouts = RolloutPipeline(self.launch_rollout, self.finish_rollout, staleness_bound(cfg), self.total_steps)
+        self.overlap = overlap(cfg)
+        self.rollouts = RolloutPipeline(self.launch_rollout, self.finish_rollout, self.overlap.batches_ahead,
+                                        self.total_steps)
         # separate_async: the weights travel to the rollout pool
-        self.rollout_weights = RolloutWeights(workers, cfg.trainer.v1.separate_async.partial_rollout)
+        self.rollout_weights = RolloutWeights(workers, self.overlap.partial_rollout)
         self.monitor = BalanceMonitor(tracker, self.total_steps, cfg.trainer.enable_monitor,
                                       cfg.trainer.monitor_interval, sizes.actor.token_budget(sizes.actor.train))
         self.resumed_from: Optional[str] = None  # the checkpoint `resume` loaded
@@ -179,33 +196,7 @@ class RayPPOTrainer:
             timing.update(rollout.timing)
             metrics.update(rollout.metrics)
             updates_actor = actor_updates_at(step, self.cfg.trainer.critic_warmup)
-            plans = StepPlanner(self.cfg, self.sizes, self.workload, batch, self.global_step, self.workers.objectives)
-            with _timer(timing, "balance"):
-                actor_plan = plans.update("actor") if updates_actor else None
-                separate_pass = self.old_log_probs.runs_pass(updates_actor)
-                metrics.update(self.dp_split_metrics(batch, plans.inference("actor") if separate_pass else actor_plan))
-            self.correction.before_old_log_probs(batch)
-            if separate_pass:
-                with _timer(timing, "old_log_prob"):
-                    metrics.update(self.old_log_probs.run_pass(self.workers.actor_rollout, batch, plans.inference("actor")))
-            if self.sizes.use_reference:
-                with _timer(timing, "ref"):
-                    self.infer(batch, self.workers.actor_rollout.compute_ref_log_prob, plans.inference("ref"))
-            if self.sizes.use_critic:
-                with _timer(timing, "values"):
-                    self.infer(batch, self.workers.critic.compute_values, plans.inference("critic"))
-            metrics.update(rewards_and_advantages(batch, self.cfg.algorithm, self.kl_ctrl, self.correction,
-                                                  lambda name: _timer(timing, name)))
-            if self.sizes.use_critic:
-                with _timer(timing, "update_critic"):
-                    critic_plan = plans.update("critic")
-                    result = self.workers.critic.update_critic(batch[critic_plan.rows], critic_plan)[0]
-                    metrics.update(result.metrics, **plan_metrics(critic_plan, "critic"))
-            results = None
-            if updates_actor:
-                with _timer(timing, "update_actor"):
-                    actor_metrics, results = self.update_actor(batch, actor_plan, plans, separate_pass)
-                    metrics.update(actor_metrics)
+            updates = self.local_updates(batch, updates_actor, timing, metrics)
             # The weights of this step are final: the next batches generate from here on (module docstring).
             self._weights_version = step
             if self.rollout_weights.split:
@@ -213,7 +204,10 @@ class RayPPOTrainer:
                     self.rollout_weights.export(step)
             self.rollouts.launch_through(step + 1 + self.rollouts.ahead)
             with _timer(timing, "rollout_corr"):
-                metrics.update(self.correction.after_update(batch, actor_plan, results))
+                for u in updates:
+                    u.metrics.update(self.correction.after_update(u.batch, u.actor_plan, u.results))
+            metrics.update(merge_local_metrics([u.metrics for u in updates], [len(u.batch) for u in updates]))
+            batch = updates[0].batch if len(updates) == 1 else Batch.concat([u.batch for u in updates])
         actor_key = "train_log_probs" if self.correction.bypass else "old_log_probs"
         metrics.update(old_log_prob_metrics(batch, self.actor_loss_cfg, actor_key))
         metrics.update(data_metrics(batch, self.cfg.data.max_response_length, self.sizes.use_critic))
@@ -228,6 +222,59 @@ class RayPPOTrainer:
         metrics["training/global_step"] = float(step)
         metrics["training/epoch"] = float(self.data.epoch)
         return metrics
+
+    def local_updates(self, batch: Batch, updates_actor: bool, timing: Dict[str, float],
+                      metrics: Dict[str, float]) -> List["LocalUpdate"]:
+        """The step's local updates on `batch` (verl's `parameter_sync_step`; one for every other mode,
+        `ballast.trainer.step.local_updates`): first the old log-probs of every row under the step's
+        starting weights (verl restores them for each later local update) and the reference's, over the
+        whole batch; then each share's own plans, values, advantages and updates. Returns each update's
+        record, in row order (its batch: the share, with what it computed)."""
+        whole = StepPlanner(self.cfg, self.sizes, self.workload, batch, self.global_step, self.workers.objectives)
+        separate_pass = self.old_log_probs.runs_pass(updates_actor)
+        self.correction.before_old_log_probs(batch)
+        if separate_pass:
+            with _timer(timing, "balance"):
+                pass_plan = whole.inference("actor")
+            with _timer(timing, "old_log_prob"):
+                metrics.update(self.old_log_probs.run_pass(self.workers.actor_rollout, batch, pass_plan))
+        if self.sizes.use_reference:
+            with _timer(timing, "ref"):
+                self.infer(batch, self.workers.actor_rollout.compute_ref_log_prob, whole.inference("ref"))
+        shares = share_rows(batch["uid"], self.overlap.local_updates)
+        if len(shares) == 1:
+            return [self.local_update(batch, whole, updates_actor, separate_pass, timing)]
+        updates = []
+        for rows in shares:
+            part = batch[rows]
+            plans = StepPlanner(self.cfg, self.sizes, self.workload, part, self.global_step, self.workers.objectives)
+            updates.append(self.local_update(part, plans, updates_actor, separate_pass, timing))
+        return updates
+
+    def local_update(self, batch: Batch, plans: StepPlanner, updates_actor: bool, separate_pass: bool,
+                     timing: Dict[str, float]) -> "LocalUpdate":
+        """One PPO update on `batch` (a share of the step, or all of it): values, advantages, critic and
+        actor update, each phase planned over these rows."""
+        metrics: Dict[str, float] = {}
+        with _timer(timing, "balance"):
+            actor_plan = plans.update("actor") if updates_actor else None
+            metrics.update(self.dp_split_metrics(batch, plans.inference("actor") if separate_pass else actor_plan))
+        if self.sizes.use_critic:
+            with _timer(timing, "values"):
+                self.infer(batch, self.workers.critic.compute_values, plans.inference("critic"))
+        metrics.update(rewards_and_advantages(batch, self.cfg.algorithm, self.kl_ctrl, self.correction,
+                                              lambda name: _timer(timing, name)))
+        if self.sizes.use_critic:
+            with _timer(timing, "update_critic"):
+                critic_plan = plans.update("critic")
+                result = self.workers.critic.update_critic(batch[critic_plan.rows], critic_plan)[0]
+                metrics.update(result.metrics, **plan_metrics(critic_plan, "critic"))
+        results = None
+        if updates_actor:
+            with _timer(timing, "update_actor"):
+                actor_metrics, results = self.update_actor(batch, actor_plan, plans, separate_pass)
+                metrics.update(actor_metrics)
+        return LocalUpdate(batch, actor_plan, results, metrics)
 
     @staticmethod
     def infer(batch: Batch, call, plan: PhasePlan) -> None:

@@ -28,8 +28,8 @@ def rollout_log_probs_run(tiny_task, e2e_ray, tmp_path_factory):
     session: {"mode": the old-log-prob mode, "final": the last step's metrics, "rows": every step's
     logged metrics, "fingerprint": the actor's final sum |w|, "dir": its run directory}. Its users: the
     two-mini-batch old-log-prob check, the resume test (the uninterrupted run, and its step-2
-    checkpoint to resume from), the async-rollout comparison (the batched run's step 2) and the
-    off-policy k=0 run (the synchronous trainer); a training session costs ~10 s."""
+    checkpoint to resume from) and the async-rollout comparison (the batched run's step 2); a training
+    session costs ~10 s."""
     from ballast.trainer.config import load_config
     from ballast.trainer.main import prepare_typed, training_session
 

@@ -42,6 +42,7 @@ def test_tool_agent_run_reports_agent_metrics_and_corrects_rollouts(session, tmp
     tools.write_text("tools:\n  - class_name: calculator\n    config: {type: native, timeout_s: 5}\n"
                      "  - class_name: python\n    config: {type: native, timeout_s: 5}\n")
     extra = ["actor_rollout_ref.rollout.mode=async", "actor_rollout_ref.rollout.multi_turn.enable=True",
+             "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent",  # the tiny task's rows name no loop
              f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}",
              "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3", "trainer.test_freq=2",
              "actor_rollout_ref.rollout.agent.max_concurrent_conversations=4",

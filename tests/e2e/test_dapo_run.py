@@ -122,7 +122,7 @@ def test_dapo_with_a_batch_generated_ahead_fills_each_step_with_fresh_samples(gs
     # step 2 on); the further batches dynamic sampling needs are generated with the latest weights
     out = run_dir(tmp_path, "dapo_k1")
     line = _dapo_line(gsm8k_task, tiny_task["model"], out) + [
-        "trainer.v1.trainer_mode=colocate_async", "trainer.v1.colocate_async.num_warmup_batches=1",
+        "trainer.ballast_overlap.batches_ahead=1",
         "trainer.test_freq=-1", "trainer.val_before_train=False", "trainer.save_freq=2"]
     with training_session(prepare_typed(load_config(line))) as trainer:
         assert trainer.rollouts.ahead == 1 and trainer.correction.bypass

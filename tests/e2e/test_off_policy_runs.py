@@ -1,16 +1,14 @@
-"""Off-policy overlap (trainer.v1.trainer_mode=colocate_async) through the whole driver loop: zero
-batches ahead is the synchronous trainer; one ahead trains every batch after the first on weights one
-update old, corrects for it, and resumes from a checkpoint exactly like an uninterrupted run."""
+"""Ballast's colocated overlap (trainer.ballast_overlap.batches_ahead) through the whole driver loop: one
+batch ahead trains every batch after the first on weights one update old, corrects for it, and resumes
+from a checkpoint exactly like an uninterrupted run. (Zero ahead is the synchronous trainer itself: the
+same code path, nothing to compare.)"""
 
 import json
 import os
 
 import pytest
 
-
-from testkit.e2e import WITH_ROLLOUT_LOG_PROBS
-
-ASYNC = "trainer.v1.trainer_mode=colocate_async"
+AHEAD = "trainer.ballast_overlap.batches_ahead=1"
 STALENESS = "training/off_policy/trajectory_staleness/max"
 COMPARED = ["critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/ppo_kl", "response_length/mean",
             "rollout_corr/k3_kl", STALENESS]
@@ -25,25 +23,10 @@ def _rows(tmp_path, name):
     return [json.loads(line) for line in open(os.path.join(tmp_path, name, "metrics.jsonl"))]
 
 
-def test_zero_batches_ahead_reproduces_the_synchronous_trainer(session, rollout_log_probs_run, tmp_path):
-    # the session's synchronous 3-step run against the same run in colocate_async mode with k=0
-    extra = [*WITH_ROLLOUT_LOG_PROBS, "trainer.total_training_steps=3", ASYNC,
-             "trainer.v1.colocate_async.num_warmup_batches=0"]
-    with session("k0", *extra) as trainer:
-        assert trainer.rollouts.ahead == 0 and not trainer.correction.bypass
-        trainer.fit()
-        k0_weights = trainer.workers.actor_rollout.actor_state_fingerprint()[0]
-    assert k0_weights == rollout_log_probs_run["fingerprint"]  # the same parameters, bit for bit
-    for sync, k0 in zip(rollout_log_probs_run["rows"], _rows(tmp_path, "k0"), strict=True):
-        same = _deterministic(sync)
-        assert {k: k0[k] for k in same} == same
-        assert STALENESS not in k0
-
-
 def test_one_batch_ahead_trains_on_one_update_old_samples_and_resumes_exactly(session, tmp_path):
     # one mini-batch per step: at step 1 the rollout and the trained policy are the same weights, from
     # step 2 on the batch was generated before the previous update
-    extra = [ASYNC, "trainer.v1.colocate_async.num_warmup_batches=1", "actor_rollout_ref.actor.ppo_mini_batch_size=4"]
+    extra = [AHEAD, "actor_rollout_ref.actor.ppo_mini_batch_size=4"]
     with session("straight", *extra, "trainer.total_training_steps=4", "trainer.save_freq=2") as trainer:
         assert trainer.correction.bypass  # on by default for stale samples
         trainer.fit()

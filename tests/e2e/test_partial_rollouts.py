@@ -1,4 +1,4 @@
-"""Partial rollouts on split pools (trainer.v1.separate_async.partial_rollout=true, one batch ahead): the
+"""Partial rollouts on split pools (separate_async, one batch ahead: on by default, as verl's): the
 trainer's update lands while the rollout pool's conversations are in flight (each waits 1 s between
 its turns, like a slow tool), the rollout workers load the new weights from the mailbox mid-call and
 the conversations go on under them; every token carries the version that sampled it, so no sample is
@@ -20,8 +20,8 @@ OFF = "training/off_policy"
 def test_updates_land_mid_generation_and_every_token_knows_its_version(session, tmp_path, capfd, monkeypatch):
     loops = tmp_path / "loops.yaml"
     loops.write_text("- name: waiting\n  _target_: testkit.agent.WaitingLoop\n")
-    extra = [*SPLIT_POOLS, "trainer.v1.separate_async.num_warmup_batches=1",
-             "trainer.v1.separate_async.partial_rollout=true", "actor_rollout_ref.rollout.mode=async",
+    # partial rollouts are on by default with separate_async and a window (verl's meaning)
+    extra = [*SPLIT_POOLS, "trainer.v1.separate_async.num_warmup_batches=1", "actor_rollout_ref.rollout.mode=async",
              f"actor_rollout_ref.rollout.agent.agent_loop_config_path={loops}",
              "actor_rollout_ref.rollout.agent.default_agent_loop=waiting", "data.max_response_length=32",
              "trainer.total_training_steps=3", "trainer.test_freq=-1", "trainer.val_before_train=False"]

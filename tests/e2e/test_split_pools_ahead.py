@@ -1,6 +1,6 @@
-"""Split resource pools, one batch ahead: the rollout pool generates the next batch while the trainer
-trains (one update old), validates on the pool, resumes exactly from a checkpoint; a transfer that
-loads nothing stops the run naming the cause."""
+"""Split resource pools, one batch ahead without partial rollouts (Ballast's whole-batch bound): the
+rollout pool generates the next batch while the trainer trains (one update old), validates on the
+pool, resumes exactly from a checkpoint; a transfer that loads nothing stops the run naming the cause."""
 
 import json
 import os
@@ -14,6 +14,8 @@ from testkit.e2e import SPLIT_POOLS as SPLIT
 from testkit.e2e import killed_on_exit, last_line, run_dir, start_trainer
 
 STALENESS = "training/off_policy/trajectory_staleness/max"
+# Ballast's whole-batch bound on split pools: the batch ahead finishes on the weights it started with
+WHOLE_BATCHES = ("trainer.ballast_overlap.partial_rollout=false",)
 BROKEN_SYNC = str(Path(__file__).resolve().parents[1] / "testkit" / "broken_sync")
 
 
@@ -22,7 +24,7 @@ def _rows(path):
 
 
 def test_one_batch_ahead_on_split_pools_validates_and_resumes_exactly(session, tmp_path):
-    k1 = [*SPLIT, "trainer.v1.separate_async.num_warmup_batches=1", "trainer.total_training_steps=4",
+    k1 = [*SPLIT, *WHOLE_BATCHES, "trainer.v1.separate_async.num_warmup_batches=1", "trainer.total_training_steps=4",
           "trainer.val_before_train=True", "trainer.test_freq=2", "trainer.save_freq=2"]
     with session("k1", *k1) as trainer:
         assert trainer.rollouts.ahead == 1 and trainer.correction.bypass  # stale samples: corrected by default
@@ -54,7 +56,7 @@ def test_a_transfer_that_loads_nothing_stops_the_run_naming_the_cause(tiny_task,
     path = run_dir(tmp_path, "split_broken")
     env = {"PYTHONPATH": os.pathsep.join([BROKEN_SYNC, os.environ.get("PYTHONPATH", "")]),
            "BALLAST_TEST_BREAK_SYNC": "load_weights"}
-    proc = start_trainer(tiny_task, path, *SPLIT, "trainer.total_training_steps=3", env=env)
+    proc = start_trainer(tiny_task, path, *SPLIT, *WHOLE_BATCHES, "trainer.total_training_steps=3", env=env)
     with killed_on_exit(proc):
         _, stderr = proc.communicate(timeout=600)
     assert proc.returncode == EXIT_WORKER_FAILED, stderr[-3000:]

@@ -5,7 +5,8 @@ rewrite `ppo_mini_batch_size` during init, which makes the same key mean differe
 different places). Every impossible combination raises `ConfigError` naming the keys and numbers.
 
     samples_per_step            = data.train_batch_size * rollout.n
-    dp_size (actor)             = world_size // actor.ulysses_sequence_parallel_size
+    dp_size (actor)             = world_size // (actor.ulysses_sequence_parallel_size
+                                                 * actor.megatron.pipeline_model_parallel_size)
     rollout_dp                  = rollout world // rollout.tensor_model_parallel_size
                                   (rollout world: world_size, or the rollout pool under separate_async)
     mini_batch_samples          = actor.ppo_mini_batch_size * rollout.n            (global)
@@ -22,10 +23,12 @@ from typing import TYPE_CHECKING, List, Optional, Sequence
 from ballast.trainer.config.keys import build
 from ballast.trainer.config.loader import ConfigError
 from ballast.trainer.config.model_info import ModelInfo
-from ballast.trainer.config.off_policy import split_pools
+from ballast.trainer.config.off_policy import SYNC_STEP_KEY, overlap, split_pools
+from ballast.trainer.config.pipeline import role_pipeline
 from ballast.trainer.config.schema import BallastConfig
 
 if TYPE_CHECKING:
+    from ballast.balance import MicroBatchPolicy, PipelineCostModel
     from ballast.engine import MicroBatchSpec
 
 
@@ -44,10 +47,21 @@ class RoleSizes:
     num_mini_batches: Optional[int] = None
     grad_accum_steps: Optional[int] = None
     train: Optional[MicroBatchSpec] = None
+    # Pipeline parallelism (`<role>.megatron`): ranks per pipeline and the planner's cost model.
+    pp_size: int = 1
+    pipeline: Optional[PipelineCostModel] = None
 
     def token_budget(self, micro: MicroBatchSpec) -> Optional[int]:
         """Real tokens one micro-batch of `micro` may hold on this role's SP group; None when static."""
         return micro.token_budget(self.sp_size) if micro.use_dynamic_bsz else None
+
+    def policy(self, micro: MicroBatchSpec) -> MicroBatchPolicy:
+        """The planner's policy for `micro`: the SP group's budget, and with a pipeline its cost model
+        (fixed slots, the schedule's counts, the planned order)."""
+        import dataclasses
+
+        policy = micro.policy(self.sp_size)
+        return policy if self.pipeline is None else dataclasses.replace(policy, pipeline=self.pipeline)
 
 
 @dataclass(frozen=True)
@@ -75,6 +89,10 @@ class DerivedSizes:
             if role is None:
                 continue
             line = f"{name}: dp={role.dp_size} sp={role.sp_size} samples_per_rank={role.samples_per_rank}"
+            if role.pipeline is not None:
+                shape = role.pipeline.shape
+                line += (f" pp={shape.pp_size} v={shape.virtual_stages} schedule={shape.schedule}"
+                         f" stage_layers={list(role.pipeline.stage_layers)}")
             if role.train is not None:
                 line += (
                     f" mini_batch_samples={role.mini_batch_samples} per_rank={role.mini_batch_samples_per_rank}"
@@ -127,8 +145,13 @@ def derive_sizes(cfg: BallastConfig, model: Optional[ModelInfo] = None) -> Deriv
     # Length buckets split the actor's dynamic micro-batches: always in training, in the old-log-prob
     # pass when that is dynamic as well.
     buckets = actor.bucket_boundaries if actor.dynamic_bsz_bucketing else None
+    arr_model = cfg.actor_rollout_ref.model
+    shares = {"actor_rollout_ref.actor.use_prefix_grouper": actor.use_prefix_grouper}
+    pipeline = role_pipeline(prefix, actor, world, sp, model, remove_padding_key="actor_rollout_ref.model.use_remove_padding",
+                             remove_padding=arr_model.use_remove_padding,
+                             conflicts={**shares, "actor_rollout_ref.actor.dynamic_bsz_bucketing": actor.dynamic_bsz_bucketing})
     actor_sizes = _train_role(
-        prefix, world, samples, n, sp, actor.ppo_mini_batch_size, data.train_batch_size,
+        prefix, world, samples, n, sp, actor.ppo_mini_batch_size, data.train_batch_size, pipeline=pipeline,
         train=_micro(prefix, actor.use_dynamic_bsz, actor.ppo_micro_batch_size_per_gpu,
                      actor.ppo_max_token_len_per_gpu, sp, max_seq, _TRAIN_KEYS, buckets),
         infer=_micro("actor_rollout_ref.rollout", rollout.log_prob_use_dynamic_bsz,
@@ -145,11 +168,15 @@ def derive_sizes(cfg: BallastConfig, model: Optional[ModelInfo] = None) -> Deriv
                 f"{prefix}.ulysses_sequence_parallel_size={sp} differs from actor_rollout_ref.actor."
                 f"ulysses_sequence_parallel_size={actor_sizes.sp_size}: with LoRA the reference log-probs come from "
                 "the actor's engine (adapter switched off), on the actor's mesh")
-        dp = world // sp
-        _divides(dp, samples, f"{prefix} dp size (world // {prefix}.ulysses_sequence_parallel_size)", _SAMPLES)
+        pipeline = role_pipeline(prefix, ref, world, sp, model, remove_padding_key="actor_rollout_ref.model.use_remove_padding",
+                                 remove_padding=arr_model.use_remove_padding, conflicts=shares)
+        pp = 1 if pipeline is None else pipeline.shape.pp_size
+        dp = world // (sp * pp)
+        _divides(dp, samples, f"{prefix} dp size (world // ({prefix}.ulysses_sequence_parallel_size x "
+                 f"{prefix}.megatron.pipeline_model_parallel_size))", _SAMPLES)
         ref_sizes = RoleSizes(dp, sp, samples // dp, _micro(
             prefix, ref.log_prob_use_dynamic_bsz, ref.log_prob_micro_batch_size_per_gpu,
-            ref.log_prob_max_token_len_per_gpu, sp, max_seq))
+            ref.log_prob_max_token_len_per_gpu, sp, max_seq), pp_size=pp, pipeline=pipeline)
 
     if actor.use_prefix_grouper:
         _check_shared_prompts(cfg, actor_sizes, ref_sizes)
@@ -158,14 +185,23 @@ def derive_sizes(cfg: BallastConfig, model: Optional[ModelInfo] = None) -> Deriv
     if uses_critic(cfg):
         prefix, critic = "critic", cfg.critic
         sp = _sp_size(prefix, critic.ulysses_sequence_parallel_size, world, model)
+        critic_model = model
+        if model is not None and critic.model.path != arr_model.path:
+            critic_model = ModelInfo.from_dir(critic.model.path, "critic.model.path")
+        pipeline = role_pipeline(prefix, critic, world, sp, critic_model, remove_padding_key="critic.model.use_remove_padding",
+                                 remove_padding=critic.model.use_remove_padding, conflicts={})
         critic_sizes = _train_role(
-            prefix, world, samples, n, sp, critic.ppo_mini_batch_size, data.train_batch_size,
+            prefix, world, samples, n, sp, critic.ppo_mini_batch_size, data.train_batch_size, pipeline=pipeline,
             train=_micro(prefix, critic.use_dynamic_bsz, critic.ppo_micro_batch_size_per_gpu,
                          critic.ppo_max_token_len_per_gpu, sp, max_seq, _TRAIN_KEYS),
             infer=_micro(prefix, critic.use_dynamic_bsz, critic.forward_micro_batch_size_per_gpu,
                          critic.forward_max_token_len_per_gpu, sp, max_seq,
                          ("forward_micro_batch_size_per_gpu", "forward_max_token_len_per_gpu", "use_dynamic_bsz")),
         )
+        local = overlap(cfg).local_updates
+        if local > 1:  # each local update trains the critic on its own share of the prompts
+            _divides(critic.ppo_mini_batch_size, data.train_batch_size // local, "critic.ppo_mini_batch_size",
+                     f"the prompts of each local update ({SYNC_STEP_KEY}={local}): data.train_batch_size / {local}")
     return DerivedSizes(
         world_size=world, samples_per_step=samples, max_seq_len_tokens=max_seq, rollout_tp=tp,
         rollout_dp=rollout_dp, rollout_samples_per_rank=samples // rollout_dp, use_critic=critic_sizes is not None,
@@ -291,9 +327,12 @@ def _micro(prefix: str, dynamic: bool, micro: Optional[int], max_tokens: int, sp
 
 
 def _train_role(prefix: str, world: int, samples: int, n: int, sp: int, mini: int, train_batch_size: int, *,
-                train: MicroBatchSpec, infer: MicroBatchSpec) -> RoleSizes:
-    dp = world // sp
-    dp_name = f"{prefix} dp size (world // {prefix}.ulysses_sequence_parallel_size)"
+                train: MicroBatchSpec, infer: MicroBatchSpec, pipeline: Optional[PipelineCostModel] = None) -> RoleSizes:
+    pp = 1 if pipeline is None else pipeline.shape.pp_size
+    dp = world // (sp * pp)
+    dp_name = f"{prefix} dp size (world // {prefix}.ulysses_sequence_parallel_size)" if pp == 1 else (
+        f"{prefix} dp size (world // ({prefix}.ulysses_sequence_parallel_size x "
+        f"{prefix}.megatron.pipeline_model_parallel_size))")
     _divides(dp, samples, dp_name, _SAMPLES)
     if mini < 1 or mini > train_batch_size:
         raise ConfigError(f"{prefix}.ppo_mini_batch_size={mini} must be in [1, data.train_batch_size={train_batch_size}]")
@@ -316,5 +355,5 @@ def _train_role(prefix: str, world: int, samples: int, n: int, sp: int, mini: in
     return RoleSizes(
         dp_size=dp, sp_size=sp, samples_per_rank=samples // dp, infer=infer, mini_batch_samples=mini_samples,
         mini_batch_samples_per_rank=per_rank, num_mini_batches=samples // mini_samples, grad_accum_steps=accum,
-        train=train,
+        train=train, pp_size=pp, pipeline=pipeline,
     )

@@ -17,7 +17,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ballast.trainer.config.errors import ConfigError  # noqa: F401 (the loader's error, re-exported)
-from ballast.trainer.config.off_policy import apply_off_policy_defaults
+from ballast.trainer.config.off_policy import prepare_off_policy
 from ballast.trainer.config.overrides import ambiguous_overrides
 from ballast.trainer.config.schema import BallastConfig, Choice
 from ballast.trainer.config.schema.choice import values
@@ -64,7 +64,7 @@ def to_typed(cfg: DictConfig) -> BallastConfig:
     except OmegaConfBaseException as err:
         raise ConfigError(_describe(err)) from err
     plain.pop("hydra", None)
-    for line in apply_off_policy_defaults(plain):
+    for line in prepare_off_policy(plain):
         print(line, flush=True)
     data = plain.get("data", {})
     if isinstance(data, dict):

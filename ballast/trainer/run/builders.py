@@ -17,12 +17,13 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 from ballast.engine import EngineConfig, OptimConfig
-from ballast.engine.config import LoraSpec
+from ballast.engine.config import LoraSpec, PipelineSpec
 from ballast.trainer.algorithms.policy_loss import ActorLossConfig, CriticLossConfig, critic_loss, make_actor_loss
 from ballast.trainer.config import BallastConfig, DerivedSizes, role_fsdp, role_precision
 from ballast.trainer.config.keys import build
 from ballast.trainer.config.loader import ConfigError
-from ballast.trainer.config.off_policy import split_pools
+from ballast.trainer.config.off_policy import overlap, split_pools
+from ballast.trainer.config.pipeline import pipeline_shape
 from ballast.trainer.config.schema import OptimSection
 from ballast.trainer.step.reward import OverlongBuffer
 from ballast.trainer.step.rollout_correction import loss_correction, rollout_correction_settings
@@ -50,8 +51,11 @@ class WorkerSpecs:
 
 def worker_specs(cfg: BallastConfig, sizes: DerivedSizes, total_steps: int) -> WorkerSpecs:
     """Every worker spec, or the first `ConfigError` (naming a config key) met on the way."""
-    trainer = actor_rollout_ref_spec(cfg, sizes, total_steps)
-    critic = critic_spec(cfg, sizes, total_steps) if sizes.critic is not None else None
+    # The schedule advances once per update call, as verl's: `parameter_sync_step` local updates per step
+    # stretch its horizon by the same factor (verl sets optim.total_training_steps = steps x local updates).
+    schedule_steps = total_steps * overlap(cfg).local_updates
+    trainer = actor_rollout_ref_spec(cfg, sizes, schedule_steps)
+    critic = critic_spec(cfg, sizes, schedule_steps) if sizes.critic is not None else None
     if not split_pools(cfg):
         return WorkerSpecs(trainer, critic)
     # The rollout pool gets merged full weights through the object store (an adapter is merged in).
@@ -93,10 +97,23 @@ def adapter_rank(lora: LoraSpec) -> int:
     return max([int(saved.get("r", 0)), *(int(r) for r in (saved.get("rank_pattern") or {}).values())])
 
 
+def _pipeline_spec(cfg: BallastConfig, role: str) -> PipelineSpec:
+    """The role's `megatron` pipeline sizes and `pipeline_schedule` (checked by `derive_sizes` already)."""
+    section = {"actor": cfg.actor_rollout_ref.actor, "ref": cfg.actor_rollout_ref.ref, "critic": cfg.critic}[role]
+    shape = pipeline_shape(section.megatron, section.pipeline_schedule)
+    if shape is None:
+        return PipelineSpec()
+    return PipelineSpec(shape.pp_size, shape.virtual_stages, str(shape.schedule), shape.microbatch_group_size)
+
+
 def _engine(cfg: BallastConfig, role: str, model, sp: int, grad_clip: Optional[float], optim) -> EngineConfig:
     prefix, fsdp = ROLE_PREFIX[role], role_fsdp(cfg, role)
     keys = {"device": "trainer.device", "ulysses_sequence_parallel_size": f"{prefix}.ulysses_sequence_parallel_size",
-            "grad_clip": f"{prefix}.grad_clip", "model_path": f"{MODEL_PREFIX[role]}.path"}
+            "grad_clip": f"{prefix}.grad_clip", "model_path": f"{MODEL_PREFIX[role]}.path",
+            # what a pipeline does not compose with, named by the key that asked for it
+            "use_remove_padding": f"{MODEL_PREFIX[role]}.use_remove_padding", "lora": f"{MODEL_PREFIX[role]}.lora_rank",
+            "cpu_offload": f"{prefix}.fsdp_config.offload_policy", "fsdp_size": f"{prefix}.fsdp_config.fsdp_size",
+            "precision": f"{prefix}.fsdp_config.mixed_precision.param_dtype"}
     # The reference model never carries the adapter: with LoRA it is the actor's base (ref_in_actor).
     lora = lora_spec(model, MODEL_PREFIX[role]) if role != "ref" else LoraSpec()
     return build(
@@ -107,7 +124,7 @@ def _engine(cfg: BallastConfig, role: str, model, sp: int, grad_clip: Optional[f
         cpu_offload=bool(fsdp.offload_policy or (role == "ref" and fsdp.param_offload)),
         reshard_after_forward=fsdp.reshard_after_forward, grad_clip=grad_clip, optim=optim,
         fsdp_size=fsdp.fsdp_size, precision=role_precision(cfg, role),
-        trust_remote_code=model.trust_remote_code, lora=lora,
+        trust_remote_code=model.trust_remote_code, lora=lora, pipeline=_pipeline_spec(cfg, role),
     )
 
 
@@ -158,10 +175,11 @@ def weight_sync_spec(cfg: BallastConfig, lora: LoraSpec) -> WeightSyncSpec:
     check = r.weight_sync_check if r.weight_sync_check is not None else (lora.enabled or split_pools(cfg))
     if r.weight_sync_check_tolerance is not None and not r.weight_sync_check_tolerance > 0:
         raise ConfigError(f"{ROLLOUT}.weight_sync_check_tolerance={r.weight_sync_check_tolerance} must be > 0")
+    # vLLM scores a prompt only with room for one generated token after it
     context = r.max_model_len or (r.prompt_length + r.response_length)
     return WeightSyncSpec(layered=r.layered_summon, check=check, check_tolerance=r.weight_sync_check_tolerance,
                           tokenizer_path=model.tokenizer_path or model.path,
-                          probe_max_tokens=min(PROBE_TOKENS, context))
+                          probe_max_tokens=min(PROBE_TOKENS, context - 1))
 
 
 def agent_spec(cfg: BallastConfig) -> Optional[AgentLoopSpec]:
@@ -232,12 +250,12 @@ def actor_loss_config(cfg: BallastConfig) -> ActorLossConfig:
     )
 
 
-def actor_rollout_ref_spec(cfg: BallastConfig, sizes: DerivedSizes, total_steps: int) -> ActorRolloutRefSpec:
+def actor_rollout_ref_spec(cfg: BallastConfig, sizes: DerivedSizes, schedule_steps: int) -> ActorRolloutRefSpec:
     arr = cfg.actor_rollout_ref
     actor = arr.actor
     temperature = arr.rollout.temperature if arr.rollout.do_sample else 1.0
     actor_engine = _engine(cfg, "actor", arr.model, sizes.actor.sp_size, actor.grad_clip,
-                           engine_optim(actor.optim, total_steps, "actor_rollout_ref.actor.optim"))
+                           engine_optim(actor.optim, schedule_steps, "actor_rollout_ref.actor.optim"))
     train = TrainLoopSpec(
         loss_fn=make_actor_loss(actor_loss_config(cfg)), temperature=temperature,
         calculate_entropy=actor.entropy_coeff > 0 or actor.calculate_entropy,
@@ -265,10 +283,10 @@ def actor_rollout_ref_spec(cfg: BallastConfig, sizes: DerivedSizes, total_steps:
     )
 
 
-def critic_spec(cfg: BallastConfig, sizes: DerivedSizes, total_steps: int) -> CriticSpec:
+def critic_spec(cfg: BallastConfig, sizes: DerivedSizes, schedule_steps: int) -> CriticSpec:
     c = cfg.critic
     engine = _engine(cfg, "critic", c.model, sizes.critic.sp_size, c.grad_clip,
-                     engine_optim(c.optim, total_steps, "critic.optim"))
+                     engine_optim(c.optim, schedule_steps, "critic.optim"))
     loss = functools.partial(critic_loss, cfg=CriticLossConfig(cliprange_value=c.cliprange_value,
                                                                loss_agg_mode=str(c.loss_agg_mode),
                                                                loss_scale_factor=c.loss_scale_factor))

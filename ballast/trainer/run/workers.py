@@ -12,6 +12,7 @@ from ballast.balance import PlanObjective
 from ballast.single_controller import RayWorkerGroup, ResourcePool
 from ballast.trainer.run.builders import WorkerSpecs
 from ballast.trainer.config import BallastConfig, DerivedSizes
+from ballast.trainer.config.off_policy import overlap
 from ballast.trainer.step.plans import phase_objectives
 from ballast.trainer.run.tracking import worker_log_dir
 from ballast.workers.actor_rollout_ref import ActorRolloutRefWorker
@@ -122,9 +123,9 @@ def create_workers(cfg: BallastConfig, sizes: DerivedSizes, specs: WorkerSpecs) 
             workers.rollout.init_model()
             print(f"[ballast] separate_async: {actor.world_size} trainer and {workers.rollout.world_size} rollout "
                   "worker(s) on separate pools; the weights reach the rollout through the object store after every "
-                  "update" + (" (merged with the LoRA adapter)" if specs.actor_rollout_ref.actor.lora.enabled else "")
+                  "step" + (" (merged with the LoRA adapter)" if specs.actor_rollout_ref.actor.lora.enabled else "")
                   + ("; partial rollouts: new weights interrupt the generations in flight, which resume under them"
-                     if t.v1.separate_async.partial_rollout else ""), flush=True)
+                     if overlap(cfg).partial_rollout else ""), flush=True)
         return workers
     except BaseException:
         # A group that failed to start must not outlive the attempt: its placement groups (named after

@@ -2,7 +2,8 @@
 
 `OldLogProbPhase.mode` (`ballast.workers.on_policy.OldLogProbMode`) is decided once per run: "pass"
 runs the actor's inference pass over every row before the update (verl's way; forced by several
-epochs, a reward KL penalty, decoupled rollout correction or `actor.old_log_prob_from_update=False`);
+epochs, several local updates per step, a reward KL penalty, decoupled rollout correction or
+`actor.old_log_prob_from_update=False`);
 "rollout" (bypass rollout correction) runs none, the rollout's log-probs being the old policy;
 otherwise the actor update computes them itself ("update", or "partial" with a forward-only pass
 inside the update over the rows after its first mini-batch) and returns them. Either way
@@ -19,6 +20,7 @@ import torch
 from ballast.balance import PhasePlan
 from ballast.protocol import Batch
 from ballast.trainer.algorithms.policy_loss import ActorLossConfig, entropy_metric
+from ballast.trainer.config.off_policy import overlap
 from ballast.workers.on_policy import OldLogProbMode, old_log_prob_mode
 
 
@@ -48,9 +50,11 @@ class OldLogProbPhase:
 
     def __init__(self, cfg, sizes, correction=None) -> None:
         actor = cfg.actor_rollout_ref.actor
+        # Several local updates per step: the later ones train on weights the first has changed, while
+        # their old log-probs are the step's starting policy (verl's), so one pass before them provides all.
         self.mode = old_log_prob_mode(
             sizes.actor.num_mini_batches, actor.ppo_epochs, cfg.algorithm.use_kl_in_reward,
-            enabled=actor.old_log_prob_from_update,
+            enabled=actor.old_log_prob_from_update and overlap(cfg).local_updates == 1,
             needed_before_update=correction is not None and correction.needs_old_log_probs_before_update,
             rollout_is_old=correction is not None and correction.bypass_mode)
 

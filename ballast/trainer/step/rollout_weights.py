@@ -7,9 +7,10 @@ calls in submission order, so every generation submitted after an export samples
 and every one submitted before it with the previous ones, the same rule that fixes the weight version
 of a colocated rollout (`RolloutPipeline`). Colocated runs export nothing: their workers sync in place.
 
-Partial rollouts (`trainer.v1.separate_async.partial_rollout`) add a second way in: every export is
-also posted to a `WeightMailbox`, which the rollout workers look into during a training generation;
-weights found there interrupt the requests in flight, which resume under them. A later call that
+Partial rollouts (on with `separate_async` and a window, as verl's; `trainer.ballast_overlap.partial_rollout`)
+add a second way in: every export is also posted to a `WeightMailbox`, which the rollout workers look
+into during a training generation; weights found there interrupt the requests in flight, which resume
+under them. A later call that
 carries the same export then has nothing to load.
 """
 

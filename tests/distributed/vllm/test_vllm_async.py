@@ -11,6 +11,7 @@ from ballast.protocol import Batch
 from ballast.workers.agent_loop import AgentLoopRunner, AgentLoopSpec
 from ballast.workers.rollout import RolloutConfig, SamplingConfig, build_backend, iter_full_tensors, load_weights
 from ballast.workers.rollout.async_engine import AsyncEngine, TurnRequest, make_core
+from testkit import same_tokens
 from testkit.agent import INSERTED, register_inserting_loop
 from testkit.prompts import left_padded_prompts
 
@@ -54,6 +55,18 @@ def test_single_turn_async_equals_batched_vllm(engine, runner, do_sample):
     again = runner.generate(Batch(prompts), sampling, call_index=6)
     if do_sample:  # another call index draws other samples
         assert not torch.equal(again.tensors["responses"], batched["responses"])
+
+
+@pytest.mark.parametrize("path", ["batched", "request"])
+def test_vllm_samples_the_tokens_the_batched_rollout_recorded(engine, runner, model_dir, path):
+    """tests/fixtures/same_tokens.json: what the batched vLLM rollout (TP 1) of 9f0621b sampled (sampled,
+    filtered, greedy), through each generate entry point of the worker."""
+    fixture = same_tokens.load()
+    same_tokens.check_model(fixture, "tiny", model_dir)
+    same_tokens.check_engine(fixture, "vllm_tp1", engine)
+    generate = same_tokens.entry_points(engine, runner)[path]
+    for name, out in same_tokens.run_calls(fixture, generate, fixture["prompts"]["tp1"]).items():
+        same_tokens.assert_same_tokens(fixture["results"]["vllm_tp1"][name], out, f"vllm_tp1/{path}/{name}")
 
 
 def test_multi_turn_log_probs_line_up_with_the_final_sequence(engine, runner):

@@ -2,9 +2,10 @@
 its own prompts, each getting back exactly its own rows; weight sync from FSDP2 under TP. And async
 rollout under the same engine: the leader runs every conversation of the group, the follower replays
 its engine steps; single-turn equals batched TP generation token for token, multi-turn log-probs line
-up with the final sequences, and a leader-side failure raises on both ranks.
+up with the final sequences, and a leader-side failure raises on both ranks. Both entry points sample
+what the batched TP=2 rollout of 9f0621b recorded (tests/fixtures/same_tokens.json).
 
-Both tests assert on one launch of tp2_rollout_worker.py (module fixture `tp2_results`): a TP=2 vLLM
+The tests assert on one launch of tp2_rollout_worker.py (module fixture `tp2_results`): a TP=2 vLLM
 start-up is ~25 s on 2 cores, and what each test checks is a separate step of that one run.
 """
 
@@ -14,11 +15,13 @@ import socket
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 import torch
 
 from ballast.workers.rollout.vllm_shm import clean_stale_vllm_shm, vllm_shm_files
+from testkit import same_tokens
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # ~25 s on 2 cores: one launch, two ranks
@@ -124,6 +127,20 @@ def test_tp2_rollout_each_rank_gets_its_own_slice(tp2_results):
         assert ws["count"] == ws["num_state"]
         assert (ws["before"] - ws["target"]).abs().max() > 1e-2  # the AdamW step moved the model
         assert (ws["after"] - ws["target"]).abs().max() <= 1e-4  # vLLM (TP=2) now matches FSDP2
+
+
+def test_tp2_samples_the_tokens_the_batched_rollout_recorded(tp2_results, tp2_model_dir):
+    """tests/fixtures/same_tokens.json: what the batched TP=2 rollout of 9f0621b sampled on each rank
+    (sampled, filtered, greedy), through each generate entry point of the worker."""
+    fixture = same_tokens.load()
+    same_tokens.check_model(fixture, "tp2", tp2_model_dir)
+    for rank, res in enumerate(tp2_results[0]):
+        same_tokens.check_engine(fixture, "vllm_tp2", types.SimpleNamespace(**res["engine"]))
+        assert sorted(res["same_tokens"]) == ["batched", "request"]
+        for path, calls in res["same_tokens"].items():
+            for name, out in calls.items():
+                same_tokens.assert_same_tokens(fixture["results"]["vllm_tp2"][str(rank)][name], out,
+                                               f"vllm_tp2/rank{rank}/{path}/{name}")
 
 
 def test_tp2_async_rollout(tp2_results):

@@ -1,10 +1,13 @@
 """One rank of the real TP=2 vLLM rollout tests (run as a script by test_vllm_tp.py, never by pytest).
-One engine start serves both tests of that file (a TP=2 vLLM start-up costs ~25 s on 2 cores).
+One engine start serves every test of that file (a TP=2 vLLM start-up costs ~25 s on 2 cores).
 
 Each rank: gloo world first, then the TP engine (external_launcher), then
   1. tp_generate on this rank's own prompts (counts and widths differ between ranks);
   2. references: the same engine on each rank's prompts alone (both ranks, in lockstep);
   3. a sampled generate of the same batch on both ranks (the ranks must draw the same tokens);
+  3b. the calls of tests/fixtures/same_tokens.json on this rank's recorded prompts, through both generate
+     entry points of the worker (batched `tp_generate`, request-level `tp_agent_generate`), before any
+     weight sync: the parent compares them with what the batched TP=2 rollout of 9f0621b sampled;
   4. weight sync from an FSDP2-sharded copy of the model after one AdamW step, comparing vLLM's
      prompt log-probs with the FSDP model's own forward;
   5. async rollout (an AgentLoopRunner on the synced engine): single-turn async (sampled) on this
@@ -12,7 +15,8 @@ Each rank: gloo world first, then the TP engine (external_launcher), then
      with inserted tokens between them) and the engine's teacher-forced log-probs of every resulting
      sequence of the group (in lockstep); last, a call the leader cannot run (an unknown agent_name on
      its rows only): both ranks must raise.
-Results go to <out_dir>/rank<k>.pt ("async" holds step 5's); the parent tests assert on them.
+Results go to <out_dir>/rank<k>.pt ("async" holds step 5's, "same_tokens" step 3b's); the parent tests
+assert on them.
 """
 
 import dataclasses
@@ -24,6 +28,7 @@ import torch.distributed as dist
 
 # Run as a script: the shared prompt builder and the test agent loop are in tests/testkit.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from testkit import same_tokens  # noqa: E402
 from testkit.agent import register_inserting_loop  # noqa: E402
 from testkit.prompts import left_padded_prompts  # noqa: E402
 
@@ -68,6 +73,17 @@ def fsdp_weight_sync(backend, model_dir, rank):
     after = backend.prompt_log_probs([seq[0].tolist()])[0]
     return {"target": target, "before": before, "after": after, "count": count,
             "num_state": len(model.state_dict())}
+
+
+def same_tokens_calls(backend, group, model_dir, rank):
+    """Step 3b: every recorded call on this rank's recorded prompts, per entry point."""
+    from ballast.workers.agent_loop import AgentLoopRunner, AgentLoopSpec
+
+    fixture = same_tokens.load()
+    runner = AgentLoopRunner(backend, AgentLoopSpec(tokenizer_path=model_dir, prompt_length=8, response_length=16))
+    mine = fixture["prompts"]["tp2"][str(rank)]
+    return {path: {name: out.to_dict() for name, out in same_tokens.run_calls(fixture, generate, mine).items()}
+            for path, generate in same_tokens.entry_points(backend, runner, group).items()}
 
 
 def async_rollout(backend, group, model_dir, rank):
@@ -130,6 +146,9 @@ def main(model_dir: str, out_dir: str) -> None:
     sampled = SamplingConfig(max_response_length=RESPONSE_TOKENS, temperature=1.0, seed=7, eos_token_ids=(),
                              calculate_log_probs=True)
     result["sampled"] = backend.generate(make_prompts(PROMPTS[0] + PROMPTS[1]), sampled).to_dict()
+    result["same_tokens"] = same_tokens_calls(backend, group, model_dir, rank)
+    result["engine"] = {"config": backend.config, "eos_token_ids": backend.eos_token_ids,
+                        "pad_token_id": backend.pad_token_id}
     result["weight_sync"] = fsdp_weight_sync(backend, model_dir, rank)
     result["default_group_alive_after_generate"] = dist.is_initialized()
     result["async"] = async_rollout(backend, group, model_dir, rank)

@@ -12,6 +12,7 @@ from ballast.workers.agent_loop import AgentLoopRunner, AgentLoopSpec
 from ballast.workers.rollout import RolloutConfig, SamplingConfig, build_backend
 from ballast.workers.rollout.async_engine import AsyncEngine, HFCore, TurnRequest, request_seed
 from ballast.workers.rollout.base import sampling_seed
+from testkit import same_tokens
 from testkit.agent import FakeCore
 from testkit.prompts import left_padded_prompts
 
@@ -159,6 +160,19 @@ def test_single_turn_async_equals_batched_generation_token_for_token(hf_backend,
     stops = result.columns["agent_stop_reason"]
     assert set(stops) <= {"answer", "length"}
     assert list(result.columns["agent_num_turns"]) == [2] * len(PROMPTS)
+
+
+@pytest.mark.parametrize("path", ["batched", "request"])
+def test_hf_samples_the_tokens_the_batched_rollout_recorded(hf_backend, tiny_dir, path):
+    """tests/fixtures/same_tokens.json: what the batched HF rollout of 9f0621b sampled (sampled, filtered,
+    greedy), through each generate entry point of the worker."""
+    fixture = same_tokens.load()
+    same_tokens.check_model(fixture, "tiny", tiny_dir)
+    same_tokens.check_engine(fixture, "hf", hf_backend)
+    runner = AgentLoopRunner(hf_backend, AgentLoopSpec(tokenizer_path=tiny_dir, prompt_length=16, response_length=16))
+    generate = same_tokens.entry_points(hf_backend, runner)[path]
+    for name, out in same_tokens.run_calls(fixture, generate, fixture["prompts"]["tp1"]).items():
+        same_tokens.assert_same_tokens(fixture["results"]["hf"][name], out, f"hf/{path}/{name}")
 
 
 def test_multi_turn_rollout_log_probs_are_those_of_the_final_sequence(hf_backend, tiny_dir):

@@ -40,12 +40,16 @@ def test_half_precision_engines_get_the_kernels_too(ops):
         x, res = torch.randn(16, 576, generator=gen).to(dtype), torch.randn(16, 576, generator=gen).to(dtype)
         w = torch.randn(576, generator=gen).to(dtype)
         ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10  # one rounding step, relative
+        # vLLM's native op rounds twice (the normalised x to the half dtype, then x * w); ours rounds the
+        # product once, so the two may be two rounding steps apart (seen: 40 of 9216 bf16 elements).
         torch.testing.assert_close(rms.impls[PROVIDER].impl_fn(x, w, 1e-5), rms.impls["native"].impl_fn(x, w, 1e-5),
-                                   rtol=ulp, atol=ulp)
+                                   rtol=2 * ulp, atol=ulp)
         out, new_res = fused.impls[PROVIDER].impl_fn(x.clone(), res.clone(), w, 1e-5)
         want_out, want_res = fused.impls["native"].impl_fn(x.clone(), res.clone(), w, 1e-5)
-        torch.testing.assert_close(out, want_out, rtol=ulp, atol=ulp)
-        torch.testing.assert_close(new_res, want_res, rtol=0, atol=0)
+        torch.testing.assert_close(out, want_out, rtol=2 * ulp, atol=ulp)
+        # the residual sum is one rounding from exact on both sides, but vLLM's CPU kernel does not always
+        # round to nearest there (seen: a quarter of bf16 elements one step off on one AMD EPYC)
+        torch.testing.assert_close(new_res, want_res, rtol=ulp, atol=ulp)
 
 
 @pytest.mark.parametrize("rows", [1, 16])

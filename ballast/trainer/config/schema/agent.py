@@ -9,8 +9,9 @@ from typing import Optional
 @dataclass(frozen=True)
 class MultiTurnSection:
     enable: bool
-    """Tool-calling conversations (needs rollout.mode=async); the default loop becomes `tool_agent`
-    unless `agent.default_agent_loop` names another."""
+    """Tool-calling conversations (needs rollout.mode=async). As in verl, a row runs the tool loop when its
+    `agent_name` (or `agent.default_agent_loop`) is `tool_agent`; with `default_agent_loop=null` this
+    switch makes `tool_agent` the default."""
     max_assistant_turns: Optional[int]
     """A conversation ends after this many model turns; null: only the response budget ends it."""
     max_user_turns: Optional[int]
@@ -36,8 +37,9 @@ class MultiTurnSection:
 @dataclass(frozen=True)
 class AgentSection:
     default_agent_loop: Optional[str]
-    """Loop of samples without an `agent_name` column: `single_turn_agent`, `tool_agent` or a name from
-    `agent_loop_config_path`; null: `tool_agent` when multi_turn.enable, else `single_turn_agent`."""
+    """Loop of samples without an `agent_name` column: `single_turn_agent` (verl's default, whatever
+    `multi_turn.enable` says), `tool_agent` or a name from `agent_loop_config_path`; null (Ballast's):
+    `tool_agent` when multi_turn.enable, else `single_turn_agent`."""
     agent_loop_config_path: Optional[str]
     """verl's yaml list of extra agent loops (`- name: ...` / `_target_: module.Class`)."""
     num_workers: int

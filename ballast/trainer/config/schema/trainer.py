@@ -6,43 +6,11 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from ballast.trainer.config.schema.choice import choice
+from ballast.trainer.config.schema.overlap import BallastOverlapConfig, TrainerV1Config
 
 # The named values of `trainer.resume_mode`; the field stays a string because a checkpoint directory
 # is a value too.
 ResumeMode = choice("ResumeMode", __name__, "auto", "disable", "resume_path")
-# verl's V1 trainer modes (`trainer.v1.trainer_mode`).
-TrainerMode = choice("TrainerMode", __name__, "sync", "colocate_async", "separate_async")
-
-
-@dataclass(frozen=True)
-class ColocateAsyncConfig:
-    num_warmup_batches: float
-    """Batches generated ahead of the one being trained: the staleness bound `k` (0: synchronous)."""
-
-
-@dataclass(frozen=True)
-class SeparateAsyncConfig:
-    num_warmup_batches: float
-    """Batches generated ahead on the separate rollout pool while the trainer trains: the staleness bound."""
-    parameter_sync_step: int
-    """verl's mini-batch updates between weight syncs into the rollout pool; Ballast syncs once per step,
-    so it must equal `data.train_batch_size / actor_rollout_ref.actor.ppo_mini_batch_size` (verl's rule)."""
-    partial_rollout: bool = False
-    """Weights that reach the rollout pool during a generation interrupt the requests in flight, which
-    resume under them (each token's weight version is recorded); needs `rollout.mode=async`. verl's
-    fully asynchronous trainer names this `async_training.partial_rollout`."""
-
-
-@dataclass(frozen=True)
-class TrainerV1Config:
-    trainer_mode: TrainerMode
-    """`sync` (every step generates with the current weights), `colocate_async` (the rollouts of the
-    next `num_warmup_batches` steps are generated ahead, on the same workers, while this one trains) or
-    `separate_async` (rollout workers on a pool of their own generate while the trainer trains)."""
-    colocate_async: ColocateAsyncConfig
-    """Settings of `trainer_mode=colocate_async`."""
-    separate_async: SeparateAsyncConfig
-    """Settings of `trainer_mode=separate_async`."""
 
 
 @dataclass(frozen=True)
@@ -105,8 +73,13 @@ class TrainerConfig:
     """On SIGTERM/Ctrl-C: true finishes the step and saves first; false stops at once."""
     move_old_run_aside: bool
     """A fresh start in a directory holding a run: true moves it to `<dir>.old-<time>`; false refuses."""
+    use_v1: bool
+    """verl's choice of its V1 trainer (true) or its legacy one (false: synchronous and colocated, reading
+    no `trainer.v1.*` key; Ballast then runs its synchronous trainer and refuses another `trainer_mode`)."""
     v1: TrainerV1Config
-    """verl's V1 trainer modes: synchronous or off-policy overlap (docs/off_policy.md)."""
+    """verl's V1 trainer modes (docs/off_policy.md)."""
+    ballast_overlap: BallastOverlapConfig
+    """Ballast's own overlap settings, outside verl's keys (docs/off_policy.md)."""
 
 
 @dataclass(frozen=True)

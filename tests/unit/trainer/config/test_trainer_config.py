@@ -34,7 +34,8 @@ def _field_tree(cls):
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
         tp = next((a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)), tp)  # Optional[Section]
-        tree[f.name] = _field_tree(tp) if dataclasses.is_dataclass(tp) else None
+        is_mapping = typing.get_origin(tp) is dict  # a free-form mapping (verl's `sampler_kwargs: {}`)
+        tree[f.name] = _field_tree(tp) if dataclasses.is_dataclass(tp) else ({} if is_mapping else None)
     return tree
 
 

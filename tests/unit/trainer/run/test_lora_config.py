@@ -54,6 +54,16 @@ def test_no_reference_model_with_lora():
         _plan(*LORA, "algorithm.use_kl_in_reward=True", "actor_rollout_ref.ref.ulysses_sequence_parallel_size=2")
 
 
+def test_the_sync_check_probe_fits_the_rollout_engines_context():
+    """vLLM scores a prompt only with room for one generated token: the probe is cut one short of the
+    engine's context (a 56-token context refused a 56-token probe at start-up)."""
+    sync = _plan(*LORA)[1].specs.actor_rollout_ref.weight_sync
+    assert sync.probe_max_tokens == 96 and sync.tokenizer_path == "/m"  # 128 + 256 tokens of context
+    small = _plan(*LORA, "data.max_prompt_length=32", "data.max_response_length=24",
+                  "actor_rollout_ref.rollout.max_model_len=56")[1].specs.actor_rollout_ref.weight_sync
+    assert small.probe_max_tokens == 55
+
+
 def test_merge_and_the_check_switches():
     _, plan = _plan(*LORA, "actor_rollout_ref.model.lora.merge=True",
                     "actor_rollout_ref.rollout.weight_sync_check=False")
