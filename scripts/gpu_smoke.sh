@@ -16,14 +16,15 @@
 #                       NCCL between min(2, #GPUs) workers (its log lines are the workers', in the run's
 #                       logs/ folder); metrics must be finite and vLLM must agree with the FSDP actor on
 #                       the sampled tokens
-# 3. more runs         3 GRPO steps each on phase 2's model and data, every metric finite:
+# 3. more runs         3 GRPO steps each on phase 2's data (and model, but for the agent), metrics finite:
 #                       - LoRA: a rank-8 adapter synced adapter-only into the sleeping vLLM engine, the
 #                         weight-sync check passing after every sync
 #                       - split pools (2+ GPUs): a rollout pool of its own, weights through the object store
-#                       - async agent (2+ GPUs): multi-turn conversations on split pools with partial
-#                         rollouts; a 1 s pause between turns stands in for a slow tool (the tiny random
-#                         model calls no tool), so the trainer's update interrupts requests in flight,
-#                         which resume under the new weights (at least one must)
+#                       - async tool agent (2+ GPUs): tool_agent conversations on split pools with
+#                         partial rollouts (verl's separate_async with a window), from the tiny model
+#                         rewired to call the calculator on every turn (random models call no tool); the
+#                         calculator answers after 2 s, so the trainer's update lands while requests are
+#                         in flight, which resume under the new weights (at least one must)
 #                       - rollout TP=2 (2+ GPUs): one vLLM engine over two colocated workers
 #                       On one GPU the 2-GPU runs are reported as SKIP.
 # 4. engine benchmark   benchmarks/engine_bench.py --device cuda --json (when present): the update
@@ -147,12 +148,18 @@ SPLIT_POOLS=(trainer.v1.trainer_mode=separate_async actor_rollout_ref.hybrid_eng
   actor_rollout_ref.rollout.nnodes=1 actor_rollout_ref.rollout.n_gpus_per_node=1
   trainer.v1.separate_async.parameter_sync_step=1 actor_rollout_ref.actor.ppo_mini_batch_size=8)
 SPLIT_RUN=("${SPLIT_POOLS[@]}" trainer.v1.separate_async.num_warmup_batches=0)
-# testkit.agent.WaitingLoop (tests/ on PYTHONPATH, which the workers inherit): three sampled turns, 1 s apart
-ASYNC_RUN=("${SPLIT_POOLS[@]}" trainer.v1.separate_async.num_warmup_batches=1 trainer.ballast_overlap.partial_rollout=true
-  actor_rollout_ref.rollout.mode=async "actor_rollout_ref.rollout.agent.agent_loop_config_path=$OUT/loops.yaml"
-  actor_rollout_ref.rollout.agent.default_agent_loop=waiting)
+# testkit.agent (tests/ on PYTHONPATH, which the workers inherit): the tool-calling model (built below,
+# before the run) and the calculator answering after delay_s; three sampled turns around two calls make
+# each conversation last >= 4 s. Partial rollouts are on by default here (verl's meaning of the mode).
+TOOL_MODEL="$OUT/tool_model"
+ASYNC_RUN=("${SPLIT_POOLS[@]}" trainer.v1.separate_async.num_warmup_batches=1 actor_rollout_ref.rollout.mode=async
+  "actor_rollout_ref.model.path=$TOOL_MODEL" actor_rollout_ref.rollout.multi_turn.enable=True
+  actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent
+  "actor_rollout_ref.rollout.multi_turn.tool_config_path=$OUT/tools.yaml"
+  actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3 data.max_response_length=96)
 TP_RUN=(trainer.n_gpus_per_node=2 actor_rollout_ref.rollout.tensor_model_parallel_size=2)
-printf -- '- name: waiting\n  _target_: testkit.agent.WaitingLoop\n' >"$OUT/loops.yaml"
+printf 'tools:\n  - class_name: testkit.agent.SlowCalculatorTool\n    config: {type: native, timeout_s: 30, delay_s: 2}\n' \
+  >"$OUT/tools.yaml"
 
 smoke_run() {  # smoke_run NAME KIND GPUS OVERRIDES...: 3 steps with COMMON + OVERRIDES, then KIND's metric checks
   local name="$1" kind="$2" gpus="$3" run="$OUT/$2" start=$SECONDS rc note
@@ -169,7 +176,8 @@ rows = [json.loads(line) for line in open(sys.argv[1])]
 kind, log = sys.argv[2], open(sys.argv[3]).read()
 assert [r["step"] for r in rows] == [1, 2, 3], f"steps {[r['step'] for r in rows]}"
 need = {"lora": ["rollout/sync_check/mean_abs_diff", "rollout/sync_check/tolerance", "rollout/sync_check/adapter_effect"],
-        "split": ["timing_s/export_weights"], "async": ["rollout/partial/weight_loads"], "tp": []}[kind]
+        "split": ["timing_s/export_weights"], "async": ["rollout/partial/weight_loads", "agent/tool_calls/total"],
+        "tp": []}[kind]
 keys = ["actor/pg_loss", "actor/grad_norm", "critic/score/mean", "training/rollout_actor_log_prob_diff/max"]
 bad = {k: r.get(k) for r in rows for k in keys if not isinstance(r.get(k), float) or not math.isfinite(r[k])}
 bad.update({k: None for k in need if not any(isinstance(r.get(k), float) and math.isfinite(r[k]) for r in rows)})
@@ -183,6 +191,8 @@ if kind == "split":
 if kind == "async":  # a request interrupted by new weights resumes under them: two weight versions in it
     spans = [r.get("training/off_policy/trajectory_spans/max", 0) for r in rows]
     assert max(spans) == 2 and max(r["rollout/partial/weight_loads"] for r in rows) >= 1, spans
+    calls, failed = (sum(r.get(f"agent/{k}/total", 0) for r in rows) for k in ("tool_calls", "tool_errors"))
+    assert calls > 0 and failed == 0, f"tool calls {calls}, tool errors {failed}"  # the tool ran, and answered
 diff = rows[-1]["training/rollout_actor_log_prob_diff/max"]
 # as phase 2's bound; not for partial rollouts, whose tokens are up to one update older than the actor
 assert kind == "async" or diff < 0.3, f"vLLM and the actor disagree after weight sync: max |log-prob diff| {diff:.3g}"
@@ -198,7 +208,12 @@ PY
 }
 smoke_run "LoRA GRPO x$WORKERS" lora 1 "${LORA_RUN[@]}"
 smoke_run "split pools 1+1" split 2 "${SPLIT_RUN[@]}"
-smoke_run "async agent, partial rollouts" async 2 "${ASYNC_RUN[@]}"
+if [[ $NUM_GPUS -ge 2 ]]; then  # a failed build leaves no model: the run after it fails, naming the path
+  PYTHONPATH="$ROOT/tests${PYTHONPATH:+:$PYTHONPATH}" "$PY" -c \
+    'import sys; from testkit.agent import build_tool_calling_model as build; build(sys.argv[1])' "$TOOL_MODEL" \
+    >"$OUT/tool_model.log" 2>&1
+fi
+smoke_run "async tool agent, partial rollouts" async 2 "${ASYNC_RUN[@]}"
 smoke_run "rollout TP=2" tp 2 "${TP_RUN[@]}"
 
 # --- 4. engine benchmark ---------------------------------------------------------------------------

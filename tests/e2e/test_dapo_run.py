@@ -109,6 +109,8 @@ def test_dapo_recipe_draws_several_generation_batches_and_stops_with_its_data(gs
 
     for row in steps:  # acc (before the overlong penalty) is what the groups were filtered on
         assert 0.0 <= row["reward_extra/acc/mean"] <= 1.0 and math.isfinite(row["actor/pg_loss"])
+        # the line names no rollout.calculate_log_probs: verl's default (true) gives the mismatch metrics
+        assert math.isfinite(row["rollout_corr/k3_kl"]) and math.isfinite(row["training/rollout_actor_log_prob_diff/max"])
     validations = [r for r in rows if any(k.startswith("val-core/") for k in r)]
     assert validations and validations[0]["step"] == 0
     for row in validations:

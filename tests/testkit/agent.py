@@ -15,6 +15,7 @@ from ballast.workers.agent_loop import AgentContext, AgentLoop, ChatFormat, Mult
 from ballast.workers.rollout.async_engine import TurnOutput, TurnRequest
 from ballast.workers.rollout.base import SamplingConfig
 from ballast.tools import ToolExecutor
+from ballast.tools.calculator import CalculatorTool
 
 
 def char_split_ids(tokenizer, text: str) -> list[int]:
@@ -141,6 +142,16 @@ class WaitingLoop(InsertingLoop):
     (partial rollouts)."""
 
     wait_s = WAIT_S
+
+
+class SlowCalculatorTool(CalculatorTool):
+    """The calculator, answering after `config.delay_s` seconds (default WAIT_S): a slow tool for real
+    tool-agent runs (with `build_tool_calling_model`) in which a trainer update must land while the
+    conversations are in flight (partial rollouts; scripts/gpu_smoke.sh)."""
+
+    async def execute(self, instance_id: str, parameters: dict, **kwargs):
+        await asyncio.sleep(float(self.config.get("delay_s", WAIT_S)))
+        return await super().execute(instance_id, parameters, **kwargs)
 
 
 # The one reply of `build_tool_calling_model`: a well-formed hermes call of the calculator tool.

@@ -32,6 +32,9 @@ with open(os.environ["SMOKE_CALLS"], "a") as f:
     f.write(json.dumps(args) + "\n")
 if args[:1] == ["-c"] and "torch.cuda.is_available" in args[1]:
     sys.exit(0)  # "torch sees a CUDA device"
+if args[:1] == ["-c"] and "build_tool_calling_model" in args[1]:
+    Path(args[2]).mkdir(parents=True)  # the tool-calling model's directory
+    sys.exit(0)
 if args[:2] == ["-m", "pytest"]:
     print("3 passed, 2 skipped in 1.00s")
     sys.exit(0)
@@ -47,7 +50,8 @@ if args[:2] == ["-m", "ballast.trainer.main"]:
     with open(run / "metrics.jsonl", "w") as f:
         for step in (1, 2, 3):
             f.write(json.dumps({"step": step, "timing_s/step": 1.5, "training/off_policy/trajectory_spans/max": 2,
-                                "rollout/partial/weight_loads": 1.0, **{k: 0.01 for k in keys}}) + "\n")
+                                "rollout/partial/weight_loads": 1.0, "agent/tool_calls/total": 8.0,
+                                "agent/tool_errors/total": 0.0, **{k: 0.01 for k in keys}}) + "\n")
     if any(a.startswith("actor_rollout_ref.model.lora_rank=") for a in args):
         print("[ballast] LoRA weight sync: adapter only (rank 8)")
     print("ballast: training finished")  # the driver's own output: no NCCL lines
@@ -157,9 +161,14 @@ def test_lora_split_pool_async_and_tp_runs_each_get_their_overrides_and_pass(tmp
     split = _run_of(calls, "trainer.v1.separate_async.num_warmup_batches=0")
     assert "trainer.v1.trainer_mode=separate_async" in split and "actor_rollout_ref.rollout.mode=async" not in split
     interrupted = _run_of(calls, "actor_rollout_ref.rollout.mode=async")
-    assert "trainer.ballast_overlap.partial_rollout=true" in interrupted
-    assert "actor_rollout_ref.rollout.agent.default_agent_loop=waiting" in interrupted
-    assert "testkit.agent.WaitingLoop" in (tmp_path / "out" / "loops.yaml").read_text()
+    assert "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent" in interrupted
+    assert not any(a.startswith("trainer.ballast_overlap.partial_rollout=") for a in interrupted)  # verl's default
+    # the tool-calling model is built before the run, and the run trains it (the last model.path wins)
+    build = next(i for i, c in enumerate(calls) if c[:1] == ["-c"] and "build_tool_calling_model" in c[1])
+    assert build < calls.index(interrupted) and calls[build][2] == str(tmp_path / "out" / "tool_model")
+    paths = [a for a in interrupted if a.startswith("actor_rollout_ref.model.path=")]
+    assert paths[-1] == f"actor_rollout_ref.model.path={tmp_path / 'out' / 'tool_model'}"
+    assert "testkit.agent.SlowCalculatorTool" in (tmp_path / "out" / "tools.yaml").read_text()
     tp = _run_of(calls, "actor_rollout_ref.rollout.tensor_model_parallel_size=2")
     assert "trainer.n_gpus_per_node=2" in tp
     for run in _trainer_calls(calls):  # each run in a directory of its own
@@ -179,11 +188,16 @@ def test_on_one_gpu_the_two_gpu_runs_are_skipped_not_failed(tmp_path):
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_a_run_whose_metrics_miss_what_it_exists_for_fails(tmp_path):
-    """The async run must show a request interrupted by new weights (two versions in one trajectory)."""
-    fake = FAKE_PYTHON.replace('"training/off_policy/trajectory_spans/max": 2', '"training/off_policy/trajectory_spans/max": 1')
-    assert fake != FAKE_PYTHON
-    out, _, summary = _run_smoke(tmp_path, worker_nccl=True, fake_python=fake)
-    assert out.returncode == 1 and "FAIL" in summary["async"] and "PASS" in summary["LoRA"], summary
+    """The async run must show a request interrupted by new weights (two versions in one trajectory) and
+    tool calls that were answered."""
+    broken = [('"training/off_policy/trajectory_spans/max": 2', '"training/off_policy/trajectory_spans/max": 1'),
+              ('"agent/tool_calls/total": 8.0', '"agent/tool_calls/total": 0.0'),
+              ('"agent/tool_errors/total": 0.0', '"agent/tool_errors/total": 2.0')]
+    for i, (before, after) in enumerate(broken):
+        fake = FAKE_PYTHON.replace(before, after)
+        assert fake != FAKE_PYTHON
+        out, _, summary = _run_smoke(tmp_path / str(i), worker_nccl=True, fake_python=fake)
+        assert out.returncode == 1 and "FAIL" in summary["async"] and "PASS" in summary["LoRA"], (after, summary)
 
 
 def _phase3_arrays(out_dir: Path) -> dict:
@@ -212,8 +226,10 @@ def test_each_phase3_run_is_a_valid_config_that_plans(run, tmp_path):
     fit an H200 beside vLLM."""
     from ballast.trainer.config import load_config
     from ballast.trainer.config.gpu_memory import check_rollout_gpu_memory
-    from ballast.trainer.config.off_policy import split_pools
+    from ballast.tools.registry import load_tools
+    from ballast.trainer.config.off_policy import overlap, split_pools
     from ballast.trainer.run.run_plan import plan_run
+    from testkit.agent import SlowCalculatorTool
 
     arrays = _phase3_arrays(tmp_path)
     cfg = load_config([*arrays["COMMON"], f"trainer.default_local_dir={tmp_path / 'run'}", *arrays[run]])
@@ -223,8 +239,11 @@ def test_each_phase3_run_is_a_valid_config_that_plans(run, tmp_path):
         assert spec.rollout.max_lora_rank == 8 and spec.weight_sync.check  # adapter-only sync, checked
     if run in ("SPLIT_RUN", "ASYNC_RUN"):
         assert split_pools(cfg) and plan.specs.rollout is not None and spec.weight_sync.check
-    if run == "ASYNC_RUN":
+    if run == "ASYNC_RUN":  # tool_agent conversations with the slow calculator, interrupted by new weights
         assert plan.specs.rollout.agent is not None and plan.specs.rollout.rollout is not None
+        assert plan.specs.rollout.agent.default_agent_loop == "tool_agent" and overlap(cfg).partial_rollout
+        tools = load_tools(cfg.actor_rollout_ref.rollout.multi_turn.tool_config_path)
+        assert isinstance(tools["calculator"], SlowCalculatorTool) and tools["calculator"].config["delay_s"] == 2
     if run == "TP_RUN":
         assert spec.rollout.tensor_model_parallel_size == 2
     if not split_pools(cfg):

@@ -84,8 +84,9 @@ class SamplerConfig:
     spans at most `num_warmup_batches + 1`, which must not exceed it (a start-up error otherwise: verl
     would drop or wait for such samples, Ballast trains whole batches in launch order and drops none)."""
     max_off_policy_strategy: OffPolicyStrategy
-    """Accepted for verl compatibility (`drop` or `wait`, verl's handling of a sample past the bound):
-    within the start-up rule above no sample ever reaches the bound, so both run the same."""
+    """Accepted for verl compatibility (verl: `drop` evicts groups past the bound, `wait` holds sampling
+    while a group at the bound is still generating): within the start-up rule above no sample passes
+    the bound, and every step waits for its whole batch anyway, so both run the same."""
     sync_refill_failed_groups: bool
     """Accepted for verl compatibility, no effect: a generation that fails stops the run here, so no prompt
     group is ever left without samples to replace."""

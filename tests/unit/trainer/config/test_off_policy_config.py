@@ -244,6 +244,7 @@ HORIZON = ["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_si
 
 @pytest.mark.parametrize("mode, local_updates", [
     ([], 1),
+    (["trainer.use_v1=false"], 1),  # verl's legacy trainer
     (["trainer.ballast_overlap.batches_ahead=1"], 1),
     ([*SPLIT[:4], ASYNC_ROLLOUT, "trainer.v1.separate_async.parameter_sync_step=4"], 4),
     ([*SPLIT[:4], "trainer.ballast_overlap.partial_rollout=false", "trainer.v1.separate_async.parameter_sync_step=4"], 4),

@@ -129,6 +129,7 @@ def _batch(prompts=8, n=2, width=8):
 
 @pytest.mark.parametrize("mode, calls", [
     ([], [(16, 4)]),                                         # sync: one update call, 8 / 2 = 4 mini-batches
+    (["trainer.use_v1=false"], [(16, 4)]),                   # verl's legacy trainer: the same
     (["trainer.ballast_overlap.batches_ahead=1", "algorithm.rollout_correction.rollout_is=token",
       "actor_rollout_ref.rollout.calculate_log_probs=true"], [(16, 4)]),  # Ballast's overlap: the same step
     (SPLIT, [(4, 1)] * 4),                                   # separate_async P=4: four calls of one mini-batch

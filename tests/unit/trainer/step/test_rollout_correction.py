@@ -67,6 +67,17 @@ def test_the_default_is_metrics_only_and_verls_value_syntax_parses():
     assert [(c.option, c.lower, c.upper) for c in corr.rejection] == [("token_k1", 0.5, 2.0), ("seq_max_k3", None, 2.0)]
 
 
+
+def test_a_verl_line_that_sets_only_a_correction_mode_runs():
+    # verl's default rollout.calculate_log_probs=true: naming a correction needs nothing else (BASE sets
+    # the log-probs explicitly; here they come from the default alone)
+    for mode in ([f"{RC}.rollout_is=token"], [f"{RC}.rollout_rs=token_k1", f"{RC}.rollout_rs_threshold=0.5_2.0"],
+                 [f"{RC}.bypass_mode=true"]):
+        cfg = load_config(["data.train_files=x", "actor_rollout_ref.model.path=m", *mode])
+        assert cfg.actor_rollout_ref.rollout.calculate_log_probs
+        corr = rollout_correction_settings(cfg)
+        assert corr.corrects or corr.bypass_mode
+
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_every_preset_is_a_config_group_option_equal_to_its_table(name):
     path = Path(CONFIG_DIR) / "algorithm" / "rollout_correction" / f"{name}.yaml"
