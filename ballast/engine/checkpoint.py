@@ -24,6 +24,7 @@ adapter itself in `lora_adapter/`.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 
@@ -43,6 +44,8 @@ from ballast.engine.safe_load import load_dcp, load_torch_file
 
 ENGINE_STATE_FILE = "engine_state.pt"
 DCP_DIR = "dcp"
+# A pipeline engine's checkpoint also records its layout (`ballast.engine.pipeline.store`).
+PIPELINE_LAYOUT_FILE = "pipeline.json"
 # Files of a HF model directory that are NOT weights or the model config: tokenizer, chat template,
 # generation config and the like travel with the exported model.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5")
@@ -100,6 +103,9 @@ def load_checkpoint(path: str, model, optimizer, scheduler, adapter: dict | None
     extra_file = os.path.join(path, ENGINE_STATE_FILE)
     if not os.path.isdir(dcp_dir) or not os.path.isfile(extra_file):
         raise ValueError(f"{path!r} is not an engine checkpoint (expected {DCP_DIR}/ and {ENGINE_STATE_FILE})")
+    refusal = pipeline_layout_refusal(path, None)
+    if refusal is not None:
+        raise ValueError(refusal)
     extra = load_torch_file(extra_file)
     saved = extra.get("adapter")
     if saved != adapter:
@@ -121,6 +127,37 @@ def load_checkpoint(path: str, model, optimizer, scheduler, adapter: dict | None
             raise ValueError(f"checkpoint {path!r} has no scheduler state but this engine has a scheduler")
         scheduler.load_state_dict(extra["scheduler"])
     return dict(extra["counters"])
+
+
+def saved_pipeline_layout(path: str) -> dict | None:
+    """The pipeline layout the engine checkpoint at `path` was saved with (None: no pipeline)."""
+    file = os.path.join(path, PIPELINE_LAYOUT_FILE)
+    if not os.path.isfile(file):
+        return None
+    try:
+        with open(file) as f:
+            return json.load(f)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{file} is unreadable ({err})") from None
+
+
+def pipeline_layout_refusal(path: str, layout: dict | None, key: str = "pipeline_model_parallel_size") -> str | None:
+    """None when the checkpoint at `path` was saved with the pipeline `layout` (None: an engine without
+    pipeline parallelism), else why it cannot resume, naming both layouts and `key`. Each rank's
+    optimizer state belongs to the stages it held, so a checkpoint resumes only under its own layout;
+    its HF export starts a run under any."""
+    saved = saved_pipeline_layout(path)
+    if saved == layout:
+        return None
+    return (f"checkpoint {path!r} was saved with {_describe_layout(saved)}, this engine has {_describe_layout(layout)}: "
+            "a checkpoint "
+            f"resumes only under the layout it was saved with (each rank's optimizer state is its stages'); set "
+            f"{key}={1 if saved is None else saved['pipeline_model_parallel_size']} (and the same virtual stages) "
+            "to resume, or start a new run from the checkpoint's HF export (weights only)")
+
+
+def _describe_layout(record: dict | None) -> str:
+    return "no pipeline parallelism" if record is None else f"the pipeline layout {record}"
 
 
 def _describe_adapter(record: dict | None) -> str:

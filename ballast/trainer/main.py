@@ -197,6 +197,8 @@ def training_session(prepared: PreparedRun, raw_config: Optional[dict] = None,
     cfg, plan = prepared.cfg, prepared.plan
     ray_session = tracker = workers = ended_by = None
     try:
+        resume = resume if resume is not None else resume_point(cfg.trainer)
+        _check_resume_layout(resume, plan.sizes)  # before any worker starts
         ray_session = start_ray(cfg)
         signals.reinstall()  # ray.init replaced the command line's handlers
         tracker = Tracker(cfg.trainer.logger, cfg.trainer.project_name, cfg.trainer.experiment_name,
@@ -207,13 +209,24 @@ def training_session(prepared: PreparedRun, raw_config: Optional[dict] = None,
         with open(os.path.join(cfg.actor_rollout_ref.model.path, "config.json")) as f:
             model_config = json.load(f)
         trainer = RayPPOTrainer(cfg, plan.sizes, prepared.data, workers, prepared.reward, tracker, model_config)
-        trainer.resume(resume if resume is not None else resume_point(cfg.trainer))
+        trainer.resume(resume)
         yield trainer
     except BaseException as err:
         ended_by = err
         raise
     finally:
         shutdown(ended_by, tracker, workers, ray_session)
+
+
+def _check_resume_layout(point: ResumePoint, sizes) -> None:
+    """A checkpoint saved under other pipeline sizes is refused here, naming the keys (the workers'
+    engines would refuse it too, after Ray and the models started)."""
+    from ballast.trainer.config.pipeline import resume_layout_refusal
+    from ballast.trainer.run.checkpoints import CheckpointError
+
+    refusal = None if point.fresh else resume_layout_refusal(point.checkpoint, sizes)
+    if refusal is not None:
+        raise CheckpointError(f"cannot resume from {point.checkpoint!r}: {refusal}")
 
 
 def shutdown(err: Optional[BaseException], tracker, workers, ray_session: Optional[RaySession]) -> None:

@@ -310,7 +310,9 @@ class ActorRolloutRefWorker(Worker):
                                 later_old_log_probs=None if rest is None else rest[0],
                                 record_log_probs=OldLogProbMode(old_log_probs) is OldLogProbMode.ROLLOUT)
         seconds = time.perf_counter() - start
-        if first_loss is not None:
+        # A pipeline's losses run on its last stage only (`parallel.collects`), the rank whose result
+        # the driver keeps; its peers recorded nothing.
+        if first_loss is not None and actor.parallel.collects:
             first = first_loss.collect(plan.mini_batches[0].for_rank(actor.parallel.dp_rank))
             result.old_log_probs = torch.cat([first[0], rest[0]]) if rest is not None else first[0]
             result.entropy = torch.cat([first[1], rest[1]]) if rest is not None else first[1]

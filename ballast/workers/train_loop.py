@@ -111,7 +111,7 @@ def run_train_loop(engine, data: TensorDict, plan: PhasePlan, spec: TrainLoopSpe
             mini_data.set("old_log_probs", later_old_log_probs[torch.as_tensor(rows - first_rows)])
         out = engine.forward_backward_batch(mini_data, loss_fn, mini_batch,
                                             temperature=spec.temperature, calculate_entropy=entropy)
-        if recorder is not None:
+        if recorder is not None and engine.parallel.collects:  # a pipeline's loss runs on its last stage
             recorded.append(recorder.collect(mini_batch.for_rank(engine.parallel.dp_rank), data["responses"].shape[1]))
         clip = None
         if spec.grad_clip_min_batch_size is not None and engine.cfg.grad_clip is not None:

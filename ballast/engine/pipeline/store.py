@@ -26,8 +26,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from ballast.balance import PipelineShape
 from ballast.engine import checkpoint as ckpt
 from ballast.engine.pipeline.stages import StagePlacement
+from ballast.engine.safe_load import load_dcp, load_torch_file
 
-LAYOUT_FILE = "pipeline.json"
+LAYOUT_FILE = ckpt.PIPELINE_LAYOUT_FILE
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -59,12 +60,14 @@ def save_checkpoint(path: str, model, optimizer, scheduler, counters: dict, shap
 
 def load_checkpoint(path: str, model, optimizer, scheduler, shape: PipelineShape, placement: StagePlacement) -> dict:
     """Restore what `save_checkpoint` wrote under the same layout (else ValueError, before any
-    read); returns the counters. Collective."""
+    read); returns the counters. Files are read as the engine's own checkpoints are, through loaders
+    that let no file run code (`ballast.engine.safe_load`). Collective."""
     check_layout(path, shape, placement)
-    extra_file = os.path.join(path, ckpt.ENGINE_STATE_FILE)
-    extra = torch.load(extra_file, weights_only=True)
+    extra = load_torch_file(os.path.join(path, ckpt.ENGINE_STATE_FILE))
+    if extra.get("adapter") is not None:
+        raise ValueError(f"checkpoint {path!r} holds a LoRA adapter; a pipeline engine trains full weights")
     state = _state(model, optimizer)
-    dcp.load(state, checkpoint_id=os.path.join(path, ckpt.DCP_DIR))
+    load_dcp(state, os.path.join(path, ckpt.DCP_DIR))
     set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=state["model"],
                    optim_state_dict=state.get("optim", {}), options=_OPTIONS)
     if scheduler is not None:
@@ -81,19 +84,11 @@ def layout_record(shape: PipelineShape, placement: StagePlacement) -> dict:
 
 def check_layout(path: str, shape: PipelineShape, placement: StagePlacement) -> None:
     """Raise ValueError unless the checkpoint at ``path`` was saved with this pipeline layout."""
-    mine = layout_record(shape, placement)
-    file = os.path.join(path, LAYOUT_FILE)
-    if not os.path.isdir(os.path.join(path, ckpt.DCP_DIR)):
+    if not os.path.isdir(os.path.join(path, ckpt.DCP_DIR)) or not os.path.isfile(os.path.join(path, ckpt.ENGINE_STATE_FILE)):
         raise ValueError(f"{path!r} is not an engine checkpoint (expected {ckpt.DCP_DIR}/ and {ckpt.ENGINE_STATE_FILE})")
-    if not os.path.isfile(file):
-        raise ValueError(f"checkpoint {path!r} was saved without pipeline parallelism, but this engine runs a "
-                         f"pipeline {mine}: resume with pipeline_model_parallel_size=1, or start from an HF export")
-    with open(file) as f:
-        saved = json.load(f)
-    if saved != mine:
-        raise ValueError(f"checkpoint {path!r} was saved with the pipeline layout {saved}, this engine has {mine}: "
-                         "a checkpoint resumes only under the layout it was saved with (each rank's optimizer "
-                         "state is its stages'); resume with the same pipeline sizes, or start from an HF export")
+    refusal = ckpt.pipeline_layout_refusal(path, layout_record(shape, placement))
+    if refusal is not None:
+        raise ValueError(refusal)
 
 
 def export_hf(path: str, full_state, model_class, local_model, source_dir: str) -> None:

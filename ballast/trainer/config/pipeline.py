@@ -6,10 +6,12 @@ The driver plans the role's micro-batches with the pipeline cost model made here
 config (the same split into stages the engine makes), so the count, the slots and the order are
 the schedule's. What a pipeline does not compose with is a `ConfigError` naming both keys;
 the engine's own rules (LoRA, CPU offload, bf16, sharded stages) are named when its spec is built.
+`resume_layout_refusal` refuses, before any worker starts, a checkpoint saved under other pipeline sizes.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 from ballast.balance import FlopsModel, PipelineCostModel, PipelineShape
@@ -68,3 +70,27 @@ def role_pipeline(prefix: str, section, world: int, sp: int, model: Optional[Mod
                           f"{shape.num_stages} stages, but the model has {model.num_hidden_layers} decoder layers "
                           "(a stage holds at least one)")
     return PipelineCostModel.from_flops(flops_model(model), shape)
+
+
+def resume_layout_refusal(checkpoint: str, sizes) -> Optional[str]:
+    """None when every role checkpoint under `checkpoint` (a step directory) was saved with the pipeline
+    sizes this run's `sizes` (`DerivedSizes`) give its role, else the refusal naming the role's key. A
+    role's optimizer state is its stages', so a resume keeps the sizes; the step's HF export (actor_hf)
+    starts a new run under any. The engine checks the full layout (every stage's layers) again."""
+    from ballast.engine.checkpoint import saved_pipeline_layout
+
+    for role, prefix in (("actor", "actor_rollout_ref.actor"), ("critic", "critic")):
+        role_dir, role_sizes = os.path.join(checkpoint, role), getattr(sizes, role)
+        if role_sizes is None or not os.path.isdir(role_dir):
+            continue
+        saved = saved_pipeline_layout(role_dir) or {}
+        shape = None if role_sizes.pipeline is None else role_sizes.pipeline.shape
+        then = (saved.get("pipeline_model_parallel_size", 1), saved.get("virtual_pipeline_model_parallel_size", 1))
+        now = (1, 1) if shape is None else (shape.pp_size, shape.virtual_stages)
+        if then != now:
+            return (f"checkpoint {role_dir!r} was saved with {prefix}.megatron.pipeline_model_parallel_size={then[0]} "
+                    f"and virtual_pipeline_model_parallel_size={then[1]}, this run has {now[0]} and {now[1]}: a "
+                    f"checkpoint resumes only under the pipeline sizes it was saved with (each rank's optimizer state "
+                    f"is its stages'); set them back to resume, or start a new run from the step's HF export "
+                    f"({os.path.join(checkpoint, 'actor_hf')}) with actor_rollout_ref.model.path (weights only)")
+    return None
