@@ -10,9 +10,10 @@ still response token j. Which side a tensor belongs to comes from its canonical 
 `ballast.protocol.fields` ("P", "R" or "P+R"); sample-only fields ("B") are left alone, and any other
 tensor must already agree in width (`Batch.concat` names it otherwise).
 
-Fill values follow the rollout's own padding: the pad token for token ids, 0 for masks and float
-fields, 0 for prompt-side positions and, on the response side, positions that keep counting from
-the row's last one (as the rollout writes them after a response's end).
+Fill values follow the rollout's own padding: the pad token for token ids, -1 for the weight
+versions of partial rollouts, 0 for masks and float fields, 0 for prompt-side positions and, on the
+response side, positions that keep counting from the row's last one (as the rollout writes them
+after a response's end).
 """
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ from ballast.protocol.batch import Batch
 from ballast.protocol.fields import FIELDS
 
 TOKEN_ID_KEYS = frozenset({"prompts", "responses", "input_ids"})
-"""Tensors of token ids: widened with the pad token (every other field is widened with 0)."""
+"""Tensors of token ids: widened with the pad token (every other field is widened with 0, but those of
+`FILL_VALUES`)."""
+FILL_VALUES = {"rollout_versions": -1}
+"""Fields whose padding is not 0: the rollout marks a token that no weights sampled with version -1."""
 
 
 def _widths(batch: Batch) -> tuple[int | None, int | None]:
@@ -44,7 +48,7 @@ def _widths(batch: Batch) -> tuple[int | None, int | None]:
 
 def _fill(key: str, tensor: torch.Tensor, columns: int, pad_token_id: int) -> torch.Tensor:
     shape = (tensor.shape[0], columns, *tensor.shape[2:])
-    value = pad_token_id if key in TOKEN_ID_KEYS else 0
+    value = pad_token_id if key in TOKEN_ID_KEYS else FILL_VALUES.get(key, 0)
     return torch.full(shape, value, dtype=tensor.dtype, device=tensor.device)
 
 

@@ -53,6 +53,7 @@ def test_concat_padded_equals_one_rollout_over_all_rows(response_length):
 
 def test_widening_keeps_prompts_left_padded_and_responses_right_padded():
     a = _rollout(PROMPTS_A, RESPONSES_A)
+    a["rollout_versions"] = torch.tensor([[3, 3, 4], [4, -1, -1]])  # partial rollouts' per-token versions
     wide = pad_to_widths(a, prompt_width=6, response_width=5, pad_token_id=PAD)
     assert wide["prompts"][1].tolist() == [PAD, PAD, PAD, 3, 4, 5]
     assert wide["responses"][1].tolist() == [13, PAD, PAD, PAD, PAD]
@@ -61,6 +62,7 @@ def test_widening_keeps_prompts_left_padded_and_responses_right_padded():
     assert wide["position_ids"][1].tolist() == [0, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7]
     assert wide["rollout_log_probs"][0].tolist() == [-0.5, -0.5, -0.5, 0.0, 0.0]
     assert wide["token_level_scores"][0].tolist() == [0.0, 0.0, 10.0, 0.0, 0.0]
+    assert wide["rollout_versions"].tolist() == [[3, 3, 4, -1, -1], [4, -1, -1, -1, -1]]  # no weights sampled them
     assert torch.equal(wide["input_ids"], torch.cat([wide["prompts"], wide["responses"]], dim=1))
     assert list(wide["uid"]) == list(a["uid"])
     with pytest.raises(ValueError, match="cannot narrow a batch of prompt width 3"):
