@@ -23,6 +23,7 @@ from ballast.engine import TrainEngine, build_engine
 from ballast.engine.dist import init_distributed, resolve_device_type
 from ballast.engine.parallelize import compute_dtype
 from ballast.protocol import Batch, Output
+from ballast.protocol.fields import ACTOR_LOSS, columns_read_by
 from ballast.single_controller import Dispatch, Worker, register
 from ballast.single_controller.object_store import (
     DEFAULT_BUCKET_BYTES, MailboxUpdates, StoredWeights, iter_buckets, put_buckets,
@@ -50,8 +51,9 @@ PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
 
 
 def engine_input(batch: Batch, extra=()) -> TensorDict:
-    """The TensorDict the engine reads: the sequence layout plus whatever the loss needs."""
-    keys = [k for k in (*ENGINE_KEYS, *extra) if k in batch.tensor_keys]
+    """The TensorDict the engine reads: the sequence layout plus whatever the loss needs (`extra`: the
+    columns the table `ballast.protocol.fields` says it reads; those the batch lacks are left out)."""
+    keys = [k for k in dict.fromkeys((*ENGINE_KEYS, *extra)) if k in batch.tensor_keys]
     return batch.tensors.select(*keys)
 
 
@@ -297,9 +299,7 @@ class ActorRolloutRefWorker(Worker):
         "rollout" (bypass rollout correction: `old_log_probs` holds the rollout's) the log-probs each
         row had when it was trained are returned instead."""
         actor = self._require(self.actor, "actor")
-        extra = ("old_log_probs", "advantages", "ref_log_prob", "rollout_is_weights", "rollout_is_norm_sum",
-                 "rollout_is_norm_count")
-        data = engine_input(batch, extra)
+        data = engine_input(batch, columns_read_by(ACTOR_LOSS))
         metrics: Dict[str, float] = {}
         first_loss, rest = None, None
         start = time.perf_counter()

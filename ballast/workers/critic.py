@@ -10,6 +10,7 @@ import torch
 from ballast.engine import TrainEngine, build_engine
 from ballast.engine.dist import init_distributed, resolve_device_type
 from ballast.protocol import Batch
+from ballast.protocol.fields import CRITIC_LOSS, columns_read_by
 from ballast.single_controller import Dispatch, Worker, register
 from ballast.workers.actor_rollout_ref import engine_input
 from ballast.workers.spec import CriticSpec
@@ -39,7 +40,7 @@ class CriticWorker(Worker):
 
     @register(Dispatch.MESH, mesh="critic")
     def update_critic(self, batch: Batch, plan: PhasePlan) -> UpdateResult:
-        data = engine_input(batch, ("values", "returns"))
+        data = engine_input(batch, columns_read_by(CRITIC_LOSS))
         return run_train_loop(self.critic, data, plan, self.spec.train, "critic")
 
     @register(Dispatch.ONE_TO_ALL)

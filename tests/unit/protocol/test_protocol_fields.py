@@ -47,10 +47,23 @@ def test_required_issue_keys_are_in_the_table_with_their_shapes():
 
 
 def test_docstring_table_matches_fields():
-    rows = re.findall(r"^\| (\w+) \| \(([^)]*)\) \| (\w+) \|", fields_module.__doc__, flags=re.MULTILINE)
-    documented = {name: (tuple(d.strip() for d in shape.split(",") if d.strip()), dtype) for name, shape, dtype in rows}
-    in_code = {name: (spec.shape, str(spec.dtype).removeprefix("torch.")) for name, spec in FIELDS.items()}
+    rows = re.findall(r"^\| (\w+) \| \(([^)]*)\) \| (\w+) \| ([^|]*) \| ([^|]*) \| ([^|]*) \|$",
+                      fields_module.__doc__, flags=re.MULTILINE)
+    split = lambda cell: tuple(part.strip() for part in cell.split(",") if part.strip() not in ("", "-"))
+    documented = {name: (split(shape), dtype, split(writers), split(readers), meaning)
+                  for name, shape, dtype, writers, readers, meaning in rows}
+    in_code = {name: (spec.shape, str(spec.dtype).removeprefix("torch."), spec.written_by, spec.read_by, spec.meaning)
+               for name, spec in FIELDS.items()}
     assert documented == in_code
+
+
+def test_a_field_names_known_writers_and_readers():
+    with pytest.raises(ValueError, match="field 'x': .*unknown: \\['the loss'\\]"):
+        fields_module.FieldSpec("x", ("B",), torch.int64, "a field", ("data",), ("the loss",))
+    with pytest.raises(ValueError, match="field 'x': .*at least one writer"):
+        fields_module.FieldSpec("x", ("B",), torch.int64, "a field")
+    with pytest.raises(ValueError, match="unknown reader 'loss'"):
+        fields_module.columns_read_by("loss")
 
 
 def test_full_batch_passes_and_reports_sizes():
