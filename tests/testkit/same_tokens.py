@@ -1,12 +1,12 @@
 """The "same tokens" fixture (tests/fixtures/same_tokens.json): the tokens today's rollout must keep sampling.
 
-The fixture was recorded once, from the batched rollout path of commit 9f0621b, by
-tests/fixtures/make_same_tokens.py (whose docstring says how, and why it is never regenerated). It holds
-its own inputs (prompts, sampling calls with their call index, the engines' settings, fingerprints of the
-two tiny models) and what each engine returned: per row the response ids, the response mask and the
-rollout log-probs rounded to 4 decimals. Tests run the same calls on the current tree through the
-generate entry points the rollout worker uses (`entry_points`: the one place to follow a change of
-that API) and compare with `assert_same_tokens`:
+The fixture was recorded once, from the batched rollout path of the commit it names
+(`generated_from_commit`), by tests/fixtures/make_same_tokens.py (whose docstring says how, and why it
+is never regenerated). It holds its own inputs (prompts, sampling calls with their call index, the
+engines' settings, fingerprints of the two tiny models) and what each engine returned: per row the
+response ids, the response mask and the rollout log-probs rounded to 4 decimals. Tests run the same
+calls on the current tree through the generate entry points the rollout worker uses (`entry_points`:
+the one place to follow a change of that API) and compare with `assert_same_tokens`:
 
     fixture = load()
     check_model(fixture, "tiny", model_dir)                   # the model itself did not change
@@ -122,7 +122,7 @@ def assert_same_tokens(expected: dict, out, where: str) -> None:
     for row, (want, got, want_mask, got_mask) in enumerate(zip(expected["responses"], responses,
                                                                expected["response_mask"], mask)):
         assert got == want and got_mask == want_mask, (
-            f"{where}: row {row} sampled {got} (mask {got_mask}), the batched rollout of 9f0621b sampled "
+            f"{where}: row {row} sampled {got} (mask {got_mask}), the batched rollout recorded in the fixture sampled "
             f"{want} (mask {want_mask})")
     real = torch.tensor(expected["response_mask"]).bool()
     got_lps = out["rollout_log_probs"].float()[real]

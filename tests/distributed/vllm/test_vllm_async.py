@@ -59,7 +59,7 @@ def test_single_turn_async_equals_batched_vllm(engine, runner, do_sample):
 
 @pytest.mark.parametrize("path", ["batched", "request"])
 def test_vllm_samples_the_tokens_the_batched_rollout_recorded(engine, runner, model_dir, path):
-    """tests/fixtures/same_tokens.json: what the batched vLLM rollout (TP 1) of 9f0621b sampled (sampled,
+    """tests/fixtures/same_tokens.json: what the batched vLLM rollout (TP 1) recorded (sampled,
     filtered, greedy), through each generate entry point of the worker."""
     fixture = same_tokens.load()
     same_tokens.check_model(fixture, "tiny", model_dir)

@@ -3,7 +3,7 @@ its own prompts, each getting back exactly its own rows; weight sync from FSDP2 
 rollout under the same engine: the leader runs every conversation of the group, the follower replays
 its engine steps; single-turn equals batched TP generation token for token, multi-turn log-probs line
 up with the final sequences, and a leader-side failure raises on both ranks. Both entry points sample
-what the batched TP=2 rollout of 9f0621b recorded (tests/fixtures/same_tokens.json).
+what the batched TP=2 rollout recorded (tests/fixtures/same_tokens.json).
 
 The tests assert on one launch of tp2_rollout_worker.py (module fixture `tp2_results`): a TP=2 vLLM
 start-up is ~25 s on 2 cores, and what each test checks is a separate step of that one run.
@@ -130,7 +130,7 @@ def test_tp2_rollout_each_rank_gets_its_own_slice(tp2_results):
 
 
 def test_tp2_samples_the_tokens_the_batched_rollout_recorded(tp2_results, tp2_model_dir):
-    """tests/fixtures/same_tokens.json: what the batched TP=2 rollout of 9f0621b sampled on each rank
+    """tests/fixtures/same_tokens.json: what the batched TP=2 rollout recorded on each rank
     (sampled, filtered, greedy), through each generate entry point of the worker."""
     fixture = same_tokens.load()
     same_tokens.check_model(fixture, "tp2", tp2_model_dir)

@@ -7,7 +7,7 @@ Each rank: gloo world first, then the TP engine (external_launcher), then
   3. a sampled generate of the same batch on both ranks (the ranks must draw the same tokens);
   3b. the calls of tests/fixtures/same_tokens.json on this rank's recorded prompts, through both generate
      entry points of the worker (batched `tp_generate`, request-level `tp_agent_generate`), before any
-     weight sync: the parent compares them with what the batched TP=2 rollout of 9f0621b sampled;
+     weight sync: the parent compares them with what the batched TP=2 rollout recorded;
   4. weight sync from an FSDP2-sharded copy of the model after one AdamW step, comparing vLLM's
      prompt log-probs with the FSDP model's own forward;
   5. async rollout (an AgentLoopRunner on the synced engine): single-turn async (sampled) on this

@@ -164,7 +164,7 @@ def test_single_turn_async_equals_batched_generation_token_for_token(hf_backend,
 
 @pytest.mark.parametrize("path", ["batched", "request"])
 def test_hf_samples_the_tokens_the_batched_rollout_recorded(hf_backend, tiny_dir, path):
-    """tests/fixtures/same_tokens.json: what the batched HF rollout of 9f0621b sampled (sampled, filtered,
+    """tests/fixtures/same_tokens.json: what the batched HF rollout recorded (sampled, filtered,
     greedy), through each generate entry point of the worker."""
     fixture = same_tokens.load()
     same_tokens.check_model(fixture, "tiny", tiny_dir)
