@@ -10,7 +10,8 @@ random Qwen2 of 8 layers, hidden 256, vocab 512 (`small`), one mini-batch per st
   for 1F1B and interleaved 1F1B (v=2) at m = 2, 4, 8, and zero bubble (v=2): the engine's
   `perf/pp_bubble_fraction` (the mean over the two ranks of the time a rank computed nothing, over
   the step's wall time, from the stages' own timelines), median over the repeats, against the
-  formula (p-1)/(vm+p-1) (none for zero bubble) and the cost model's prediction;
+  formula (p-1)/(vm+p-1) (none for zero bubble) and the cost model's prediction; the first step of
+  each count (which builds its stages and schedule) against the median one;
 * `order`: GRPO-like batches (64 samples, log-normal lengths, median 150, up to 1000 tokens, budget
   1024): the same micro-batches in the planner's order, verl's pyramid (by verl's workload
   24576 L + L^2) and a random order, modelled (the cost model's step) and measured (median step
@@ -21,9 +22,9 @@ random Qwen2 of 8 layers, hidden 256, vocab 512 (`small`), one mini-batch per st
 and, planned only (no run):
 
 * `padding`: SmolLM2-135M's cost model (30 layers, pp=2) on GRPO batches shaped like the real-model
-  runs (8 prompts x 8 samples per DP rank, prompts 40-80 tokens, log-normal responses up to 512): the
-  slot fill (real tokens / slot tokens) of the plan at the smallest count the schedule runs and at
-  the count the planner chose; padding waste = 1 - fill.
+  runs (8 prompts x 8 samples per DP rank, prompts 40-80 tokens, log-normal responses up to 512):
+  padding waste (1 - real tokens / slot tokens) of the plan (slots fitted to its micro-batches, at the
+  count it chose), and of slots of the whole budget at the smallest count the schedule runs.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def _bubble_worker(rank, world, model_dir, out, repeats, counts):
         for m in counts:
             data = _batch(np.full(4 * m, 250), seed=m)
             plan = _plan([np.arange(4 * j, 4 * j + 4) for j in range(m)], SLOT)
-            _step(engine, data, plan)  # warm-up: builds the schedule
+            first_s = _step(engine, data, plan)[0]  # warm-up: builds this count's stages and schedule
             measured, predicted, wall = [], [], []
             for _ in range(repeats):
                 seconds, metrics = _step(engine, data, plan)
@@ -101,14 +102,15 @@ def _bubble_worker(rank, world, model_dir, out, repeats, counts):
             formula = None if schedule == "zero_bubble" else (2 - 1) / (v * m + 2 - 1)
             rows.append(dict(schedule=schedule, v=v, m=m, measured=statistics.median(measured),
                              measured_all=measured, predicted=statistics.median(predicted), formula=formula,
-                             step_s=statistics.median(wall)))
+                             step_s=statistics.median(wall), first_step_s=first_s))
     if rank == 0:
         with open(out, "w") as f:
             json.dump(rows, f)
 
 
 def _orders(engine, lengths, rng):
-    """(micro-batches, {name: order}) for one GRPO batch: the planner's, verl's pyramid, a random one."""
+    """(micro-batches, {name: order}, slot) for one GRPO batch: the planner's order, verl's pyramid, a
+    random one, and the plan's slot."""
     from ballast.balance import MicroBatchPolicy, plan_phase
     from ballast.balance.pipeline_cost import pyramid_order
     from ballast.balance.workload import workload_costs
@@ -118,7 +120,7 @@ def _orders(engine, lengths, rng):
     micro = list(plan.mini_batches[0].for_rank(0))
     verl = [float(workload_costs(lengths[mb], "verl").sum()) for mb in micro]
     return micro, {"planner": np.arange(len(micro)), "pyramid": pyramid_order(verl),
-                   "random": rng.permutation(len(micro))}
+                   "random": rng.permutation(len(micro))}, plan.mini_batches[0].slot_tokens
 
 
 def _order_worker(rank, world, model_dir, out, repeats, batches):
@@ -130,16 +132,16 @@ def _order_worker(rank, world, model_dir, out, repeats, batches):
         rng = np.random.default_rng(100 + seed)
         lengths = _grpo_lengths(rng, 64)
         data = _batch(lengths, seed)
-        micro, orders = _orders(engine, lengths, rng)
+        micro, orders, slot = _orders(engine, lengths, rng)
         works = [MicroBatchWork.of(lengths[mb]) for mb in micro]
-        plans = {name: _plan([micro[j] for j in order], SLOT) for name, order in orders.items()}
+        plans = {name: _plan([micro[j] for j in order], slot) for name, order in orders.items()}
         _step(engine, data, plans["planner"])
         seconds = {name: [] for name in plans}
         names = list(plans)
         for r in range(repeats):
             for name in names[r % 3:] + names[:r % 3]:
                 seconds[name].append(_step(engine, data, plans[name])[0])
-        rows.append(dict(seed=seed, num_micro_batches=len(micro),
+        rows.append(dict(seed=seed, num_micro_batches=len(micro), slot_tokens=slot,
                          modelled={n: engine.cost_model.simulate(works, o).step_time for n, o in orders.items()},
                          modelled_bubble={n: engine.cost_model.simulate(works, o).bubble_fraction
                                           for n, o in orders.items()},
@@ -160,7 +162,8 @@ def _pp_vs_dp_worker(rank, world, model_dir, out, repeats):
     lengths = _grpo_lengths(rng, 64)
     data = _batch(lengths, 1)
     pipeline = _engine(model_dir, "1f1b", 1)
-    pp_plan = _plan(_orders(pipeline, lengths, rng)[0], SLOT)
+    micro, _, slot = _orders(pipeline, lengths, rng)
+    pp_plan = _plan(micro, slot)
     replicas = TrainEngine(EngineConfig(model_path=model_dir, fsdp_size=1, optim=OptimConfig(lr=1e-4)),
                            parallel=build_parallel_state(1, "cpu", 1))
     mine = data[rank * 32:(rank + 1) * 32]
@@ -187,7 +190,9 @@ def _pp_vs_dp_worker(rank, world, model_dir, out, repeats):
 
 
 def padding_case(seeds: int = 20) -> dict:
-    """Slot fill of SmolLM2 pipeline plans on real-model-shaped GRPO batches (planned only)."""
+    """Slot fill of SmolLM2 pipeline plans on real-model-shaped GRPO batches (planned only): the
+    plan's (slots fitted to its micro-batches, at the count it chose) and, for comparison, slots of
+    the whole budget at the smallest count the schedule runs."""
     from ballast.balance import FlopsModel, MicroBatchPolicy, PipelineCostModel, PipelineShape, plan_phase
 
     flops = FlopsModel(hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3, intermediate_size=1536,
@@ -195,7 +200,7 @@ def padding_case(seeds: int = 20) -> dict:
     model = PipelineCostModel.from_flops(flops, PipelineShape(2))
     rows = []
     for budget in (1024, 2048):
-        fills, smallest, counts, mins = [], [], [], []
+        fills, smallest, counts, mins, slots = [], [], [], [], []
         for seed in range(seeds):
             rng = np.random.default_rng(seed)
             prompts = rng.integers(40, 81, 64)
@@ -204,12 +209,14 @@ def padding_case(seeds: int = 20) -> dict:
                               workload=flops)
             m, m0 = plan.mini_batches[0].num_micro_batches, int(plan.metrics["plan/pp_num_micro_batches_min"])
             fills.append(plan.metrics["plan/pp_slot_fill"])
+            slots.append(plan.mini_batches[0].slot_tokens)
             smallest.append(float(lengths.sum()) / (m0 * budget))
             counts.append(m)
             mins.append(m0)
         rows.append(dict(budget=budget, stage_layers=list(model.stage_layers),
-                         fill_at_smallest_count=float(np.mean(smallest)), waste_at_smallest_count=1 - float(np.mean(smallest)),
-                         fill_at_chosen_count=float(np.mean(fills)), waste_at_chosen_count=1 - float(np.mean(fills)),
+                         budget_slots_waste_at_smallest_count=1 - float(np.mean(smallest)),
+                         plan_waste=1 - float(np.mean(fills)), plan_waste_worst=1 - float(np.min(fills)),
+                         plan_slot_tokens=float(np.mean(slots)),
                          smallest_count=float(np.mean(mins)), chosen_count=float(np.mean(counts))))
     return {"cases": rows}
 

@@ -1,11 +1,14 @@
 """Micro-batches for a pipeline-parallel engine: fixed slots, counts the schedule runs, a planned order.
 
 A pipeline engine hands all of a mini-batch's micro-batches to one schedule, whose stages were built
-for one shape: every micro-batch of the phase travels in a slot of exactly ``slot_tokens`` tokens
-(the token budget for token-budget cuts; for static cuts the largest micro-batch's tokens, rounded
-up to :data:`SLOT_QUANTUM` so that the shape rarely changes between steps). The plan keeps:
+for one shape: every micro-batch of the mini-batch travels in a slot of exactly ``slot_tokens``
+tokens, the plan's largest micro-batch rounded up to :data:`SLOT_QUANTUM` (for token-budget cuts at
+most the budget). A slot fitted to the plan instead of the budget itself keeps the padding small
+whatever the count (measured in docs/benchmarks.md); a new slot size costs the engine one more set of
+stages, built from the slot's shape with no forward to infer it (torch's static stages), kept for reuse.
+The plan keeps:
 
-* the hard token cap: no micro-batch holds more real tokens than its slot;
+* the hard token cap: no micro-batch holds more real tokens than the budget, nor than its slot;
 * equal counts on every DP rank (a rank with fewer rows than the count gets empty micro-batches,
   which travel as slots of padding and add nothing);
 * at least as many micro-batches as pipeline ranks, and a count the schedule accepts: a multiple of
@@ -30,18 +33,20 @@ from .micro_batch import min_micro_batches, plan_dynamic_micro_batches
 from .pipeline_cost import MicroBatchWork, PipelineCostModel, order_micro_batches, pyramid_order
 from .workload import Workload
 
-# Static slots are rounded up to a multiple of this many tokens: a step whose largest micro-batch
-# grew by a few tokens reuses the schedule built for the previous one.
-SLOT_QUANTUM = 64
+# Slots are rounded up to a multiple of this many tokens: a step whose largest micro-batch grew by a
+# few tokens reuses the stages built for the previous one, at most 15 padded tokens per micro-batch.
+SLOT_QUANTUM = 16
 # Token-budget cuts try counts up to this multiple of the smallest valid one.
 _COUNT_GROWTH = 2
 _MAX_COUNT_CANDIDATES = 6
 
 
-def static_slot_tokens(tokens: list[np.ndarray], micro: list[list[np.ndarray]]) -> int:
-    """The slot of static micro-batches: their largest token sum, rounded up to ``SLOT_QUANTUM``."""
+def fitted_slot_tokens(tokens: list[np.ndarray], micro: list[list[np.ndarray]], cap: Optional[int] = None) -> int:
+    """The slot of these micro-batches: their largest token sum rounded up to ``SLOT_QUANTUM``, at
+    most ``cap`` (the token budget, which no micro-batch exceeds)."""
     largest = max((int(t[mb].sum()) for t, rank in zip(tokens, micro) for mb in rank), default=0)
-    return max(SLOT_QUANTUM, -(-largest // SLOT_QUANTUM) * SLOT_QUANTUM)
+    slot = max(SLOT_QUANTUM, -(-largest // SLOT_QUANTUM) * SLOT_QUANTUM)
+    return slot if cap is None else min(slot, int(cap))
 
 
 def _works(tokens: np.ndarray, micro: list[np.ndarray], response_tokens: Optional[np.ndarray]) -> list[MicroBatchWork]:
@@ -83,15 +88,13 @@ def plan_pipeline_micro_batches(tokens: list[np.ndarray], model: PipelineCostMod
     most_rows = max(len(t) for t in tokens)
     if token_budget is not None:
         smallest = max(min_micro_batches(t, token_budget) if len(t) else 0 for t in tokens)
-        slot = int(token_budget)
-        candidates = [(count, [_dynamic_cut(t, slot, count, workload) for t in tokens])
+        candidates = [(count, [_dynamic_cut(t, int(token_budget), count, workload) for t in tokens])
                       for count in _count_candidates(model, smallest, most_rows)]
     else:
         chunks = [[np.arange(s, min(s + micro_batch_size, len(t)), dtype=np.int64)
                    for s in range(0, len(t), micro_batch_size)] for t in tokens]
         count = model.shape.valid_count(max(len(c) for c in chunks))
         candidates = [(count, [_pad_to(c, count) for c in chunks])]
-        slot = static_slot_tokens(tokens, chunks)
     responses = response_tokens or [None] * len(tokens)
     best = None
     for count, micro in candidates:
@@ -101,6 +104,7 @@ def plan_pipeline_micro_batches(tokens: list[np.ndarray], model: PipelineCostMod
         if best is None or cost < best[0]:
             best = (cost, count, micro, works)
     _, count, micro, works = best
+    slot = fitted_slot_tokens(tokens, micro, token_budget)
     ordered, timelines = [], []
     for rank, rank_works in zip(micro, works):
         order, timeline = order_micro_batches(model, rank_works)
@@ -111,5 +115,6 @@ def plan_pipeline_micro_batches(tokens: list[np.ndarray], model: PipelineCostMod
         "plan/pp_num_micro_batches_min": float(candidates[0][0]),
         "plan/pp_bubble_fraction_predicted": float(np.mean([t.bubble_fraction for t in timelines])),
         "plan/pp_slot_fill": real / float(count * slot * len(tokens)),
+        "plan/pp_slot_tokens": float(slot),
     }
     return ordered, slot, metrics

@@ -1,8 +1,9 @@
 """Pipeline micro-batch plans (`plan_phase` with a pipeline policy) and the cost model's order.
 
-The plan keeps the invariants a pipeline engine relies on: every micro-batch fits its slot (the token
-budget for token-budget cuts), every DP rank runs the same count, the count is one the schedule
-runs (>= pp, a multiple of the VPP group, torch's rounds), every row exactly once. The order the
+The plan keeps the invariants a pipeline engine relies on: every micro-batch fits its slot (the
+largest micro-batch rounded up to the quantum, never above the token budget), every DP rank runs the
+same count, the count is one the schedule runs (>= pp, a multiple of the VPP group, torch's rounds),
+every row exactly once. The order the
 cost model picks is never slower than verl's pyramid in the model, and faster on some batches."""
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ def _check_plan(plan, lengths, dp, shape, budget=None):
         count = counts.pop()
         assert shape.count_error(count) is None, (count, shape)
         assert mini.slot_tokens is not None
-        if budget is not None:
-            assert mini.slot_tokens == budget
+        largest = max(int(lengths[m_rows[r][mb]].sum()) for r, rank in enumerate(mini.micro_batches) for mb in rank)
+        fitted = max(SLOT_QUANTUM, -(-largest // SLOT_QUANTUM) * SLOT_QUANTUM)  # the slot fits the plan
+        assert mini.slot_tokens == (fitted if budget is None else min(fitted, budget))
         for r, rank in enumerate(mini.micro_batches):
             rows = m_rows[r]
             for mb in rank:
@@ -75,7 +77,8 @@ def test_few_rows_get_empty_slots_and_the_count_meets_the_schedule():
     assert len(micro) == 4 and sum(len(mb) == 0 for mb in micro) == 1
     static = plan_phase(lengths, 1, MicroBatchPolicy("static", micro_batch_size=1, pipeline=model))
     assert static.mini_batches[0].num_micro_batches == 4
-    assert static.mini_batches[0].slot_tokens == SLOT_QUANTUM * 4  # 200 tokens, rounded up to the quantum
+    assert static.mini_batches[0].slot_tokens == 208  # 200 tokens, rounded up to the quantum of 16
+    assert plan.mini_batches[0].slot_tokens == 208  # the token-budget cut's slot fits it too (budget 1024)
 
 
 def test_static_pipeline_plans_keep_the_sample_count_and_round_the_slot():
@@ -90,6 +93,20 @@ def test_static_pipeline_plans_keep_the_sample_count_and_round_the_slot():
         largest = max(int(lengths[plan.partitions(0)[r][mb]].sum()) for r, rank in enumerate(mini.micro_batches)
                       for mb in rank)
         assert mini.slot_tokens % SLOT_QUANTUM == 0 and largest <= mini.slot_tokens < largest + SLOT_QUANTUM
+
+
+def test_slots_fitted_to_the_plan_waste_little_at_any_count():
+    # GRPO-shaped rows (prompts 40-80 tokens, log-normal responses) on SmolLM2's pipeline: padding at the
+    # count the planner chose stays small, where slots of the whole budget would waste a quarter
+    rng = np.random.default_rng(5)
+    model = PipelineCostModel.from_flops(SMOLLM2, PipelineShape(2))
+    for _ in range(5):
+        lengths = rng.integers(40, 81, 64) + np.clip(np.round(rng.lognormal(np.log(120), 0.8, 64)), 1, 512).astype(int)
+        plan = plan_phase(lengths, 1, MicroBatchPolicy("dynamic", token_budget=1024, pipeline=model), workload=SMOLLM2)
+        mini = plan.mini_batches[0]
+        assert mini.slot_tokens < 1024 and plan.metrics["plan/pp_slot_tokens"] == mini.slot_tokens
+        assert plan.metrics["plan/pp_slot_fill"] > 0.93
+        assert plan.metrics["plan/pp_slot_fill"] == pytest.approx(lengths.sum() / (mini.num_micro_batches * mini.slot_tokens))
 
 
 def test_pipeline_plans_refuse_what_they_cannot_run():
@@ -111,7 +128,7 @@ def test_a_fixed_partition_plans_each_ranks_rows_with_the_pipeline_rules():
                       partitions=[np.arange(5), np.arange(5, 7)])
     mini = plan.mini_batches[0]
     assert {len(r) for r in mini.micro_batches} == {shape.valid_count(3)}
-    assert mini.slot_tokens == 100
+    assert mini.slot_tokens <= 100  # the budget caps the slot
 
 
 def _variable_works(rng, shape, model):
