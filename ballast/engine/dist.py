@@ -110,9 +110,14 @@ class ParallelState:
 
     @property
     def device(self) -> torch.device:
-        if self.device_type == "cuda":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        return device_of(self.device_type)
+
+
+def device_of(device_type: str) -> torch.device:
+    """This rank's device: its current CUDA device (set by `init_distributed`) or the CPU."""
+    if device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def resolve_shard_size(fsdp_size: int, world: int) -> int:

@@ -38,7 +38,7 @@ from ballast.engine.dist import (ParallelState, build_parallel_state, init_distr
 from ballast.engine.gather import iter_gathered, layer_of
 from ballast.engine.lora import Adapter, attach_adapter, base_state, is_adapter_param, merged_state, peft_name
 from ballast.engine.forward import ForwardOptions, forward_micro_batch
-from ballast.engine.losses import GlobalNorm, MiniBatchStatistic, mini_batch_statistic
+from ballast.engine.losses import GlobalNorm, MiniBatchStatistic, add_statistic, mini_batch_statistic
 from ballast.engine.micro_batch import (
     agree_max,
     check_rank_plan,
@@ -260,14 +260,10 @@ class TrainEngine:
         device = self.parallel.device
         total = torch.zeros(len(statistic.keys), dtype=torch.float64, device=device)
 
-        def add(outputs, micro) -> None:
-            parts = statistic(outputs, micro)
-            total.add_(torch.stack([torch.as_tensor(p, device=device).to(torch.float64).reshape(()) for p in parts]))
-
         with torch.no_grad():
             if not statistic.needs_outputs:
                 if data.batch_size[0]:
-                    add(None, data.to(device))
+                    add_statistic(total, statistic, None, data.to(device))
             else:
                 for rows in micro_batches:
                     if not len(rows):  # FSDP2's per-micro-batch collectives stay in lockstep
@@ -275,7 +271,7 @@ class TrainEngine:
                                         backward=False)
                         continue
                     micro = data[row_index(rows)].to(device)
-                    add(forward_micro_batch(self.model, micro, opts, self.parallel), micro)
+                    add_statistic(total, statistic, forward_micro_batch(self.model, micro, opts, self.parallel), micro)
         if self.parallel.dp_size > 1:
             dist.all_reduce(total, group=self.parallel.dp_group)
         return dict(zip(statistic.keys, total.tolist()))

@@ -71,6 +71,12 @@ class MiniBatchStatistic(Protocol):
     def __call__(self, outputs: Optional[dict], micro) -> Sequence[torch.Tensor]: ...
 
 
+def add_statistic(total: torch.Tensor, statistic: MiniBatchStatistic, outputs: Optional[dict], micro) -> None:
+    """Add one micro-batch's part of `statistic` to `total` (float64, one entry per key, on its device)."""
+    parts = statistic(outputs, micro)
+    total.add_(torch.stack([torch.as_tensor(p, device=total.device).to(torch.float64).reshape(()) for p in parts]))
+
+
 def mini_batch_statistic(loss_fn) -> Optional[MiniBatchStatistic]:
     """The statistic a loss callable declares in its `mini_batch_statistic` attribute, or None."""
     return getattr(loss_fn, "mini_batch_statistic", None)

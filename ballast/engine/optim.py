@@ -74,6 +74,16 @@ def total_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float | None
     return norm.detach().float().cpu()
 
 
+def step_or_skip(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+                 stepped: bool) -> None:
+    """Step optimizer and schedule when `stepped` (a finite norm); the gradients are dropped either way."""
+    if stepped:
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 def clip_and_step(
     params: list[torch.nn.Parameter],
     optimizer: torch.optim.Optimizer,
@@ -94,9 +104,5 @@ def clip_and_step(
         flag = torch.tensor([0.0 if stepped else 1.0])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=replica_group)
         stepped = bool(flag.item() == 0.0)
-    if stepped:
-        optimizer.step()
-        if scheduler is not None:
-            scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
+    step_or_skip(optimizer, scheduler, stepped)
     return norm, stepped

@@ -38,7 +38,7 @@ from ballast.balance.pipeline_cost import MicroBatchWork
 from ballast.engine.config import EngineConfig, MicroBatchSpec
 from ballast.engine.dist import init_distributed, resolve_device_type
 from ballast.engine.engine import RESERVED_METRICS, LossFn, TrainEngine, _check_batch, row_index
-from ballast.engine.losses import GlobalNorm, MiniBatchStatistic, mini_batch_statistic
+from ballast.engine.losses import GlobalNorm, MiniBatchStatistic, add_statistic, mini_batch_statistic
 from ballast.engine.micro_batch import agree_max, check_rank_plan, plan_rank_micro_batches, restore_order
 from ballast.engine.model import load_model
 from ballast.engine.optim import build_optimizer, build_scheduler
@@ -228,14 +228,10 @@ class PipelineEngine:
         device = self.parallel.device
         total = torch.zeros(len(statistic.keys), dtype=torch.float64, device=device)
 
-        def add(outputs, micro) -> None:
-            parts = statistic(outputs, micro)
-            total.add_(torch.stack([torch.as_tensor(p, device=device).to(torch.float64).reshape(()) for p in parts]))
-
         with torch.no_grad():
             if not statistic.needs_outputs:
                 if data.batch_size[0]:
-                    add(None, data.to(device))
+                    add_statistic(total, statistic, None, data.to(device))
             else:
                 head = dataclasses.replace(packed[0].slot.head, calculate_entropy=False)
                 relabelled = [dataclasses.replace(mb, slot=dataclasses.replace(mb.slot, head=head)) for mb in packed]
@@ -243,7 +239,7 @@ class PipelineEngine:
                 outputs, _ = self.runner.run(relabelled, slot_tokens, head.output_rows, None)
                 for output, mb in zip(outputs, relabelled):
                     if mb.batch_size:
-                        add(slot_outputs(output, mb), data[mb.rows].to(device))
+                        add_statistic(total, statistic, slot_outputs(output, mb), data[mb.rows].to(device))
                 dist.broadcast(total, src=self.parallel.last_rank, group=self.parallel.pp_group)
         if self.parallel.dp_size > 1:
             dist.all_reduce(total, group=self.parallel.dp_group)

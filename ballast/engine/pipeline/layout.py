@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from ballast.engine.dist import device_of
+
 
 @dataclass
 class PipelineParallelState:
@@ -60,9 +62,7 @@ class PipelineParallelState:
 
     @property
     def device(self) -> torch.device:
-        if self.device_type == "cuda":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        return device_of(self.device_type)
 
 
 def build_pipeline_state(pp_size: int, device_type: str) -> PipelineParallelState:

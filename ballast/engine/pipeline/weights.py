@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ballast.engine.gather import DEFAULT_BUCKET_BYTES, layer_of
+from ballast.engine.optim import step_or_skip
 from ballast.engine.pipeline.layout import PipelineParallelState
 
 
@@ -86,11 +87,7 @@ def clip_and_step(named_params: dict[str, torch.nn.Parameter], counted_once: tup
         for p in named_params.values():
             if p.grad is not None:
                 p.grad.mul_(coeff)
-    if stepped:
-        optimizer.step()
-        if scheduler is not None:
-            scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
+    step_or_skip(optimizer, scheduler, stepped)
     return norm, stepped
 
 
