@@ -35,7 +35,7 @@ from ballast.engine import EngineConfig, MicroBatchSpec, TrainEngine
 from ballast.engine.config import LoraSpec
 from ballast.engine.lora import attach_adapter, save_adapter
 from ballast.engine.losses import LOSS_AGG_MODES, agg_loss
-from testkit.engine import full, make_rl_batch, reference_log_probs, spawn_ranks
+from testkit.engine import full, make_rl_batch, reference_log_probs, spawn_ranks, whole_batch_loss
 from testkit.models import build_tiny_causal_lm
 
 # Progress bars start tqdm's monitor thread; without it the ranks can be forked (fast).
@@ -66,17 +66,6 @@ def _lengths():
     return prompts.tolist(), responses.tolist()
 
 
-def _whole_batch_loss(loss_mat, mask, mode, horizon):
-    masked = loss_mat * mask
-    if mode == "token-mean":
-        return masked.sum() / mask.sum()
-    if mode == "seq-mean-token-sum":
-        return masked.sum(-1).mean()
-    if mode == "seq-mean-token-mean":
-        return (masked.sum(-1) / mask.sum(-1).clamp(min=1)).mean()
-    return masked.sum(-1).mean() / horizon
-
-
 def _reference(model_dir, data, adapter_dir=None):
     """{mode: (loss, entropy metric, {name: grad})} from an unmodified model (with the PEFT adapter in
     `adapter_dir`, if given: gradients of the adapter only), one sample at a time."""
@@ -92,7 +81,7 @@ def _reference(model_dir, data, adapter_dir=None):
         model.zero_grad(set_to_none=True)
         lp, ent = reference_log_probs(model, data, TEMPERATURE)
         loss_mat = -data["advantages"] * lp - ENTROPY_COEF * ent
-        loss = _whole_batch_loss(loss_mat, mask, mode, horizon=R)
+        loss = whole_batch_loss(loss_mat, mask, mode, horizon=R)
         loss.backward()
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
         entropy_metric = float((ent.detach() * mask).sum() / mask.sum())

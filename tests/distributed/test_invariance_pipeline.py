@@ -28,7 +28,7 @@ from ballast.balance import MicroBatchPolicy, PipelineCostModel, PipelineShape, 
 from ballast.engine import EngineConfig, MicroBatchSpec
 from ballast.engine.config import OptimConfig, PipelineSpec
 from ballast.engine.losses import LOSS_AGG_MODES, agg_loss
-from testkit.engine import make_rl_batch, reference_log_probs, spawn_ranks
+from testkit.engine import make_rl_batch, reference_log_probs, spawn_ranks, whole_batch_loss
 from testkit.models import build_tiny_causal_lm
 
 transformers.utils.logging.disable_progress_bar()
@@ -60,17 +60,6 @@ def value_loss(outputs, micro, norm):
     return agg_loss(err, micro["response_mask"], "token-mean", norm), {}
 
 
-def _whole_batch_loss(loss_mat, mask, mode, horizon):
-    masked = loss_mat * mask
-    if mode == "token-mean":
-        return masked.sum() / mask.sum()
-    if mode == "seq-mean-token-sum":
-        return masked.sum(-1).mean()
-    if mode == "seq-mean-token-mean":
-        return (masked.sum(-1) / mask.sum(-1).clamp(min=1)).mean()
-    return masked.sum(-1).mean() / horizon
-
-
 def _lengths():
     rng = np.random.default_rng(77)
     totals = rng.integers(3, 60, NUM_SAMPLES)
@@ -89,7 +78,7 @@ def _references(model_dir, data):
     for mode in LOSS_AGG_MODES:
         model.zero_grad(set_to_none=True)
         lp, ent = reference_log_probs(model, data, TEMPERATURE)
-        loss = _whole_batch_loss(-data["advantages"] * lp - ENTROPY_COEF * ent, mask, mode, data["responses"].shape[1])
+        loss = whole_batch_loss(-data["advantages"] * lp - ENTROPY_COEF * ent, mask, mode, data["responses"].shape[1])
         loss.backward()
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
         refs[mode] = (float(loss.detach()), float((ent.detach() * mask).sum() / mask.sum()), grads)
@@ -143,7 +132,7 @@ def _stepped_reference(model_dir, data):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
     lp, ent = reference_log_probs(model, data, TEMPERATURE)
     mask = data["response_mask"].float()
-    _whole_batch_loss(-data["advantages"] * lp - ENTROPY_COEF * ent, mask, "token-mean", 1).backward()
+    whole_batch_loss(-data["advantages"] * lp - ENTROPY_COEF * ent, mask, "token-mean", 1).backward()
     norm = torch.nn.utils.clip_grad_norm_(list(model.parameters()), max_norm=1.0)
     build_optimizer(model.parameters(), OptimConfig(lr=STEP_LR)).step()
     out = {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -22,6 +22,19 @@ import torch.multiprocessing as mp
 from tensordict import TensorDict
 
 
+def whole_batch_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str, horizon: float) -> torch.Tensor:
+    """A mini-batch's loss written directly from each aggregation mode's definition, over all rows at
+    once (differentiable): the reference the engines' per-micro-batch shares must add up to."""
+    masked = loss_mat * mask
+    if mode == "token-mean":
+        return masked.sum() / mask.sum()
+    if mode == "seq-mean-token-sum":
+        return masked.sum(-1).mean()
+    if mode == "seq-mean-token-mean":
+        return (masked.sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+    return masked.sum(-1).mean() / horizon
+
+
 def full(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor of an FSDP2 DTensor (collective), or a replica's plain tensor itself."""
     from torch.distributed.tensor import DTensor
