@@ -33,7 +33,7 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from ballast.models.weights_check import ModelFilesError, check_model_files
-from ballast.trainer.run import signals
+from ballast.trainer.run import fault_injection, signals
 from ballast.trainer.config import BallastConfig, ConfigError, ModelInfo, to_typed, uses_critic
 from ballast.trainer.config.gpu_memory import check_rollout_gpu_memory_at_start
 from ballast.trainer.run.ray_session import RaySession, RayUnavailableError, probe_ray_address, start_ray  # noqa: F401
@@ -93,6 +93,10 @@ def prepare_typed(cfg: BallastConfig) -> PreparedRun:
     from ballast.trainer.run.run_plan import plan_run
 
     cfg = absolute_paths(cfg)
+    try:
+        fault_injection.armed()  # a BALLAST_KILL_AT naming no point: refused before anything starts
+    except ValueError as err:
+        raise InputError(str(err)) from None
     model = ModelInfo.from_dir(cfg.actor_rollout_ref.model.path)
     _check_model_files(cfg)
     tokenizer, data = read_data(cfg)

@@ -70,7 +70,7 @@ from ballast.trainer.step.reward import RewardManager
 from ballast.trainer.run.workers import Workers
 from ballast.trainer.run.tracking import Tracker, format_validation, progress_postfix
 from ballast.trainer.step.val_metrics import validation_metrics
-from ballast.trainer.run import signals
+from ballast.trainer.run import fault_injection, signals
 from ballast.trainer.step.rollout_correction import RolloutCorrectionPhase, rollout_correction_settings
 from ballast.trainer.step.advantage_phase import rewards_and_advantages
 from ballast.trainer.step.rollout_weights import RolloutWeights
@@ -197,12 +197,14 @@ class RayPPOTrainer:
             metrics.update(rollout.metrics)
             updates_actor = actor_updates_at(step, self.cfg.trainer.critic_warmup)
             updates = self.local_updates(batch, updates_actor, timing, metrics)
+            fault_injection.kill_point("updated", step)
             # The weights of this step are final: the next batches generate from here on (module docstring).
             self._weights_version = step
             if self.rollout_weights.split:
                 with _timer(timing, "export_weights"):
                     self.rollout_weights.export(step)
             self.rollouts.launch_through(step + 1 + self.rollouts.ahead)
+            fault_injection.kill_point("generating", step)
             with _timer(timing, "rollout_corr"):
                 for u in updates:
                     u.metrics.update(self.correction.after_update(u.batch, u.actor_plan, u.results))

@@ -1,10 +1,15 @@
 """Run checkpoints: atomic step directories, the driver's own state, resume and retention.
 
 A checkpoint is `<root>/global_step_<k>/` holding the workers' sharded engine state (`actor/`,
-`critic/`) and `trainer_state.json` (step, dataloader position, KL coefficient, RNG states). It is
-written under a temporary name and renamed into place only when complete, and only then does
-`latest_checkpointed_iteration.txt` move forward, so a crash during a save leaves the previous
-checkpoint intact and discoverable. Nothing in a checkpoint can run code when it is read: the driver's
+`critic/`) and `trainer_state.json` (step, dataloader position, KL coefficient, RNG states). A save
+cannot leave a name that claims more than is on disk: everything is written under a temporary name,
+`checksums.json` last, every file and directory is flushed to the disk (fsync), then the directory is
+renamed into place, and only then does `latest_checkpointed_iteration.txt` move forward (itself
+written aside, flushed and renamed). A crash at any point leaves the previous checkpoint intact and
+discoverable. A checkpoint of the same step that already exists is moved aside before the new one
+takes its name and deleted after, so no half-deleted directory ever carries a checkpoint's name; the
+same holds for the checkpoints retention removes, and for those of steps after the one saved: left by
+a run that was resumed from an earlier checkpoint, they belong to the history it abandoned. Nothing in a checkpoint can run code when it is read: the driver's
 state is JSON, the rollouts generated ahead are JSON and safetensors (`ballast.protocol.storage`), the
 engine state is read back by torch.distributed.checkpoint through restricted loaders
 (`ballast.engine.safe_load`); `refused_file` finds, before any worker starts, a file the resume would
@@ -32,6 +37,8 @@ from typing import Callable, Dict, List, Optional
 
 import numpy as np
 import torch
+
+from ballast.trainer.run import fault_injection
 
 LATEST = "latest_checkpointed_iteration.txt"
 STATE = "trainer_state.json"
@@ -89,6 +96,36 @@ def _atomic_write(path: str, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync(os.path.dirname(path))
+
+
+def _fsync(path: str) -> None:
+    """Flush `path` (a file, or a directory's entries) to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(directory: str) -> None:
+    """Flush every file under `directory` and every directory's entries, deepest first: what the workers
+    wrote is on the disk before any name says the checkpoint is complete (a machine that loses power
+    after the rename keeps data, not empty files the checksums would reject)."""
+    for base, _, files in os.walk(directory, topdown=False):
+        for name in files:
+            _fsync(os.path.join(base, name))
+        _fsync(base)
+
+
+def _remove_dir(root: str, path: str) -> None:
+    """Delete checkpoint directory `path` without leaving a partial one under its name: it is renamed
+    to a hidden name first (ignored by every reader), then deleted."""
+    doomed = os.path.join(root, f".deleting_{os.path.basename(path)}")
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.rename(path, doomed)
+    _fsync(root)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 class CheckpointManager:
@@ -112,7 +149,9 @@ class CheckpointManager:
         try:
             os.makedirs(tmp)
             save_workers(tmp)
+            fault_injection.kill_point("saving", step)
             _atomic_write(os.path.join(tmp, STATE), json.dumps({"global_step": step, **trainer_state}))
+            _fsync_tree(tmp)
             _atomic_write(os.path.join(tmp, CHECKSUMS), json.dumps(file_checksums(tmp), indent=0))
         except BaseException as err:
             free, partial = shutil.disk_usage(self.root).free, checkpoint_bytes(tmp)
@@ -126,10 +165,12 @@ class CheckpointManager:
                 ) from err
             raise
         if os.path.exists(final):
-            shutil.rmtree(final)
+            _remove_dir(self.root, final)
         os.rename(tmp, final)
+        _fsync(self.root)
+        fault_injection.kill_point("saved", step)
         _atomic_write(os.path.join(self.root, LATEST), str(step))
-        self._prune()
+        self._prune(step)
         return final
 
     def warn_if_low_on_space(self) -> Optional[str]:
@@ -167,11 +208,16 @@ class CheckpointManager:
         with open(state_file) as f:
             return json.load(f)
 
-    def _prune(self) -> None:
-        if self.max_to_keep is None:
-            return
-        for step in self.steps()[:-self.max_to_keep]:
-            shutil.rmtree(self.step_dir(step), ignore_errors=True)
+    def _prune(self, saved: int) -> None:
+        """After saving step `saved`: remove the checkpoints of later steps (module docstring), then the
+        oldest beyond `max_to_keep`."""
+        steps = _step_numbers(self.root)
+        kept = [s for s in steps if s <= saved]
+        doomed = [s for s in steps if s > saved]
+        if self.max_to_keep is not None:
+            doomed += kept[:-self.max_to_keep]
+        for step in doomed:
+            _remove_dir(self.root, self.step_dir(step))
 
 
 def file_checksums(directory: str) -> Dict[str, dict]:
