@@ -118,8 +118,8 @@ class RayPPOTrainer:
         self._pending_metrics: Dict[str, float] = {}  # measured after a step's row was logged
         self._step_clock = time.perf_counter()
         self.overlap = overlap(cfg)
-        self.rollouts = RolloutPipeline(self.launch_rollout, self.finish_rollout, self.overlap.batches_ahead,
-                                        self.total_steps)
+        self.rollouts = RolloutPipeline(self.data.next_prompts, self.launch_rollout, self.finish_rollout,
+                                        self.overlap.batches_ahead, self.total_steps)
         # separate_async: the weights travel to the rollout pool
         self.rollout_weights = RolloutWeights(workers, self.overlap.partial_rollout)
         self.monitor = BalanceMonitor(tracker, self.total_steps, cfg.trainer.enable_monitor,
@@ -287,10 +287,9 @@ class RayPPOTrainer:
             batch[key] = out[key][index]
 
     # ------------------------------------------------------------------ phases
-    def launch_rollout(self, step: int) -> PendingRollout:
-        """Draw step's prompts, repeat each n times (adjacent, same uid) and submit their generation
-        without waiting (main thread: this fixes the weights that generate them, see RolloutPipeline)."""
-        prompts = self.data.next_prompts(step)
+    def launch_rollout(self, step: int, prompts: Batch) -> PendingRollout:
+        """Repeat step's prompts n times each (adjacent, same uid) and submit their generation without
+        waiting (main thread: this fixes the weights that generate them, see RolloutPipeline)."""
         batch = prompts.repeat(self.cfg.actor_rollout_ref.rollout.n, interleave=True)
         future = self.rollout_weights.call(self.workers.generator.submit, "generate_sequences", batch, call_index=step,
                                            interruptible=True)
@@ -444,7 +443,7 @@ class RayPPOTrainer:
                 self.workers.critic.save_checkpoint(path)
             save_rollouts_ahead(path, ahead)
 
-        ahead = self.rollouts.ahead_rollouts(self.global_step + 1)  # waits for their generation and scoring
+        ahead = self.rollouts.saved_ahead(self.global_step + 1)  # waits for their generation and scoring
         state = {"dataloader": self.data.state_dict(), "kl_coef": self.kl_ctrl.value, "rng": rng_state(),
                  "nonfinite_in_a_row": self._nonfinite_in_a_row}
         return self.ckpt.save(self.global_step, save_workers, state)
@@ -460,7 +459,7 @@ class RayPPOTrainer:
         if self.workers.critic is not None:
             self.workers.critic.load_checkpoint(point.checkpoint)
         self.global_step = point.step
-        self.data.load_state_dict(state["dataloader"])  # past the prompts of the rollouts generated ahead
+        self.data.load_state_dict(state["dataloader"])  # past the prompts of every step launched ahead
         self.rollouts.restore(load_rollouts_ahead(point.checkpoint))
         self.kl_ctrl.value = float(state["kl_coef"])
         self._nonfinite_in_a_row = int(state.get("nonfinite_in_a_row", 0))

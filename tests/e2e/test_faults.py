@@ -54,7 +54,7 @@ def _driver(tmp_path, skipped, limit, *extra):
                                 "trainer.balance_batch=False",  # the fake group takes no batch to plan
                                 *extra))
     data = SimpleNamespace(total_steps=10, state_dict=lambda: {"epoch": 0, "position": 0},
-                           load_state_dict=lambda state: None)
+                           load_state_dict=lambda state: None, next_prompts=None)  # no step is launched
     workers = SimpleNamespace(actor_rollout=_FakeActorGroup(skipped), critic=None)
     return RayPPOTrainer(cfg, sizes=derive_sizes(cfg), data=data, workers=workers, reward=None, tracker=None, model_config={})
 

@@ -3,8 +3,8 @@ synchronous trainer as the case of none generated ahead.
 
 Each step's batch is made in two halves:
 
-* `launch(step)` on the driver's main thread: draw the prompts and submit their generation to the
-  workers without waiting. Submitting on the main thread, at one fixed point of the loop, fixes which
+* `launch(step, prompts)` on the driver's main thread, with the prompts `draw(step)` took from the
+  data: submit their generation to the workers without waiting. Submitting on the main thread, at one fixed point of the loop, fixes which
   weights generate the batch: a worker runs its calls in the order they were submitted, so a
   generation submitted before step t's update runs on the weights from before that update. Which
   version generated a batch therefore never depends on thread timing, and a run is reproducible.
@@ -19,6 +19,12 @@ updates old otherwise; either way the driver's end-of-step work (metrics, loggin
 `ahead>0`, the scoring of the batches ahead overlap the workers. `take(step)` waits for step's batch
 (launching it first if nothing did: the first step, or after a resume) and re-raises on the main
 thread whatever its halves raised (the data running out, a worker failure).
+
+A checkpoint keeps what was launched and not yet trained (`saved_ahead`): the finished rollouts, in
+order, and from the first whose generation or scoring failed on, the prompts of every later launched
+step, so that the resumed run generates those again (with their own sampling seeds, on the
+checkpoint's weights) instead of skipping them: the data loader's saved position is past all of
+them.
 """
 
 from __future__ import annotations
@@ -79,14 +85,26 @@ class PendingRollout:
     """`time.perf_counter()` at submission."""
 
 
+@dataclass
+class Ahead:
+    """What a checkpoint keeps of the steps launched and not yet trained (module docstring)."""
+
+    rollouts: List[Rollout] = field(default_factory=list)
+    """The finished rollouts from the checkpoint's next step on, in order."""
+    relaunch: List[Tuple[int, Batch]] = field(default_factory=list)
+    """(step, prompts) of the launched steps after them, to generate again on resume."""
+
+
 class RolloutPipeline:
-    def __init__(self, launch: Callable[[int], object], finish: Callable[[object], Rollout], ahead: int,
-                 last_step: int) -> None:
+    def __init__(self, draw: Callable[[int], Batch], launch: Callable[[int, Batch], object],
+                 finish: Callable[[object], Rollout], ahead: int, last_step: int) -> None:
         if ahead < 0:
             raise ValueError(f"ahead={ahead} must be >= 0")
         self.ahead, self.last_step = ahead, last_step
-        self._launch, self._finish = launch, finish
+        self._draw, self._launch, self._finish = draw, launch, finish
         self._pending: Deque[Tuple[int, Future]] = collections.deque()
+        self._prompts: Dict[int, Batch] = {}  # each launched step not yet taken: its prompts
+        self._relaunch: Dict[int, Batch] = {}  # prompts a checkpoint kept for steps not yet launched again
         self._next = None  # the next step to launch
         self._work: "queue.Queue" = queue.Queue()
         self._thread: Optional[threading.Thread] = None
@@ -101,6 +119,7 @@ class RolloutPipeline:
         start = time.perf_counter()
         launched, future = self._pending.popleft()
         assert launched == step, (launched, step)
+        self._prompts.pop(step, None)
         rollout = future.result()  # re-raises what launch or finish raised
         return rollout, time.perf_counter() - start
 
@@ -111,7 +130,10 @@ class RolloutPipeline:
         while self._next <= min(last, self.last_step):
             future: Future = Future()
             try:
-                pending = self._launch(self._next)
+                step = self._next
+                prompts = self._relaunch.pop(step) if step in self._relaunch else self._draw(step)
+                self._prompts[step] = prompts
+                pending = self._launch(step, prompts)
             except Exception as err:  # raised when this step is taken, not before: earlier steps still train
                 future.set_exception(err)
             else:
@@ -135,12 +157,13 @@ class RolloutPipeline:
             except BaseException as err:  # handed to the main thread by take()
                 future.set_exception(err)
 
-    def ahead_rollouts(self, next_step: int) -> List[Rollout]:
-        """What a checkpoint after step `next_step - 1` keeps: the launched rollouts not yet taken, in
-        order from `next_step`, finished (waits for them), up to the first that failed. A failure (the
-        data ran out while launching, a worker error) stays queued for `take()` to raise: the checkpoint
-        is written without it. Empty when the queue does not start at `next_step` (that step failed
-        while it was being taken; the run is ending)."""
+    def saved_ahead(self, next_step: int) -> Ahead:
+        """What a checkpoint after step `next_step - 1` keeps (module docstring): the launched rollouts
+        not yet taken, in order from `next_step`, finished (waits for them), up to the first that
+        failed, then the prompts of that one and of every later launched step. A failure stays queued
+        for `take()` to raise (the data ran out while launching, a worker error): the checkpoint is
+        written without its rollout. Empty when the queue does not start at `next_step` (that step
+        failed while it was being taken; the run is ending)."""
         kept: List[Rollout] = []
         for step, future in self._pending:
             if step != next_step + len(kept):
@@ -149,18 +172,27 @@ class RolloutPipeline:
                 kept.append(future.result())
             except Exception:
                 break
-        return kept
+        relaunch: List[Tuple[int, Batch]] = []
+        for step, _ in self._pending:
+            if step == next_step + len(kept) + len(relaunch) and step in self._prompts:
+                relaunch.append((step, self._prompts[step]))
+        return Ahead(kept, relaunch)
 
-    def restore(self, rollouts: List[Rollout]) -> None:
-        """Queue rollouts saved by `ahead_rollouts` (a resumed run trains on exactly these)."""
+    def restore(self, ahead: Ahead) -> None:
+        """Queue what `saved_ahead` kept: a resumed run trains on exactly these rollouts, then generates
+        the kept prompts again, each at its own step, before drawing new ones."""
         if self._pending or self._next is not None:
             raise RuntimeError("rollout pipeline: restore() must come before the first take()")
-        for rollout in rollouts:
+        steps = [r.step for r in ahead.rollouts] + [step for step, _ in ahead.relaunch]
+        if steps and steps != list(range(steps[0], steps[0] + len(steps))):
+            raise ValueError(f"rollout pipeline: the saved steps {steps} are not consecutive")
+        for rollout in ahead.rollouts:
             future: Future = Future()
             future.set_result(rollout)
             self._pending.append((rollout.step, future))
-        if rollouts:
-            self._next = rollouts[-1].step + 1
+        self._relaunch = dict(ahead.relaunch)
+        if steps:
+            self._next = steps[0] + len(ahead.rollouts)
 
     def close(self) -> None:
         """Stop the helper thread once it is idle (a rollout it is finishing is abandoned)."""
@@ -215,26 +247,33 @@ def version_range(row_versions: np.ndarray, token_versions: Optional[np.ndarray]
     return low, high
 
 
-def save_rollouts_ahead(path: str, rollouts: List[Rollout]) -> None:
-    """Keep the rollouts generated ahead in checkpoint `path`: the data loader's saved position is past
-    their prompts, and a resumed run trains on them exactly as the uninterrupted run would have. They
-    are stored in files that cannot run code when read (`ballast.protocol.storage`)."""
-    if rollouts:
-        storage.save(os.path.join(path, AHEAD_DIR), [_rollout_state(r) for r in rollouts])
+def save_rollouts_ahead(path: str, ahead: Ahead) -> None:
+    """Keep what was generated (or launched) ahead in checkpoint `path`: the data loader's saved
+    position is past its prompts, and a resumed run trains on the rollouts exactly as the
+    uninterrupted run would have, and generates the kept prompts again. Stored in files that cannot
+    run code when read (`ballast.protocol.storage`)."""
+    if ahead.rollouts or ahead.relaunch:
+        storage.save(os.path.join(path, AHEAD_DIR), {"rollouts": [_rollout_state(r) for r in ahead.rollouts],
+                                                     "relaunch": [{"step": s, "prompts": p} for s, p in ahead.relaunch]})
 
 
-def load_rollouts_ahead(path: str) -> List[Rollout]:
-    """The rollouts `save_rollouts_ahead` kept in checkpoint `path` (none when it kept none). A legacy
-    pickle of them is refused, naming the file: loading it could run code."""
+def load_rollouts_ahead(path: str) -> Ahead:
+    """What `save_rollouts_ahead` kept in checkpoint `path` (nothing when it kept nothing; the plain list
+    of rollouts earlier versions wrote is read too). A legacy pickle of them is refused, naming the
+    file: loading it could run code."""
     legacy = os.path.join(path, LEGACY_AHEAD_FILE)
     if os.path.exists(legacy):
         raise CheckpointError(legacy_pickle_refusal(legacy))
     directory = os.path.join(path, AHEAD_DIR)
     if not os.path.isdir(directory):
-        return []
+        return Ahead()
     try:
-        return [_rollout_from_state(state) for state in storage.load(directory)]
-    except (storage.StorageError, KeyError, TypeError) as err:
+        value = storage.load(directory)
+        if isinstance(value, list):
+            value = {"rollouts": value, "relaunch": []}
+        return Ahead([_rollout_from_state(state) for state in value["rollouts"]],
+                     [(int(item["step"]), item["prompts"]) for item in value["relaunch"]])
+    except (storage.StorageError, KeyError, TypeError, ValueError) as err:
         raise CheckpointError(f"{directory}: the rollouts generated ahead are unreadable: {err}") from None
 
 

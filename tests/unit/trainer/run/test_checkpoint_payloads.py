@@ -21,7 +21,7 @@ from ballast.protocol import Batch
 from ballast.trainer.main import EXIT_BAD_INPUT, failure
 from ballast.trainer.run.checkpoints import CHECKSUMS, CheckpointError, CheckpointManager, file_checksums
 from ballast.trainer.run.preflight import resume_point
-from ballast.trainer.step.rollout_pipeline import Rollout, load_rollouts_ahead, save_rollouts_ahead
+from ballast.trainer.step.rollout_pipeline import Ahead, Rollout, load_rollouts_ahead, save_rollouts_ahead
 
 
 class _Payload:
@@ -50,7 +50,7 @@ def checkpoint(tmp_path):
 
     def save_workers(path):
         save_checkpoint(os.path.join(path, "actor"), model, optimizer, scheduler, {"step": 1})
-        save_rollouts_ahead(path, [Rollout(2, 1, batch, {"gen": 1.0}, {})])
+        save_rollouts_ahead(path, Ahead([Rollout(2, 1, batch, {"gen": 1.0}, {})]))
 
     run_dir = tmp_path / "run"
     return CheckpointManager(str(run_dir)).save(1, save_workers, {"dataloader": {}})
@@ -87,7 +87,7 @@ def test_an_untampered_checkpoint_resumes(checkpoint):
     assert point.checkpoint == checkpoint and point.step == 1
     model, optimizer, scheduler = _engine()
     assert load_checkpoint(os.path.join(checkpoint, "actor"), model, optimizer, scheduler) == {"step": 1}
-    (rollout,) = load_rollouts_ahead(checkpoint)
+    (rollout,) = load_rollouts_ahead(checkpoint).rollouts
     assert rollout.step == 2 and list(rollout.batch["uid"]) == ["u-0", "u-1"]
 
 

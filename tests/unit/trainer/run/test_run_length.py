@@ -88,7 +88,8 @@ def _trainer(steps_with_data, save_freq, total_steps=10, ahead=0):
     trainer.cfg, trainer.total_steps, trainer.global_step = cfg, total_steps, 0
     trainer.data = SimpleNamespace(next_prompts=next_prompts, val=None)
     trainer.tracker, trainer._pending_metrics = _Tracker(), {}
-    trainer.rollouts = RolloutPipeline(next_prompts, lambda prompts: Rollout(prompts, 0, None), ahead, total_steps)
+    trainer.rollouts = RolloutPipeline(next_prompts, lambda step, prompts: prompts, lambda prompts: Rollout(prompts, 0, None),
+                                       ahead, total_steps)
     trainer.rollout_weights = RolloutWeights(SimpleNamespace(rollout=None))  # colocated: nothing to export
 
     def train_step(step):

@@ -15,7 +15,7 @@ from ballast.trainer.step.dynamic_sampling import filter_metric_values, informat
 from ballast.trainer.ray_trainer import DynamicSamplingError, RayPPOTrainer
 from ballast.trainer.step.reward import OverlongBuffer, RewardManager
 from ballast.trainer.step.rollout_weights import RolloutWeights
-from ballast.trainer.step.rollout_pipeline import (STALENESS, PendingRollout, load_rollouts_ahead,
+from ballast.trainer.step.rollout_pipeline import (STALENESS, Ahead, PendingRollout, load_rollouts_ahead,
                                                    save_rollouts_ahead, staleness_metrics)
 
 from testkit.prompts import left_padded_prompts
@@ -200,8 +200,8 @@ def test_a_short_ahead_batch_survives_a_checkpoint(tmp_path):
     prompts = Batch({"x": torch.zeros(2, 1)}, {"uid": np.array(["s-0", "s-1"], dtype=object)})
     first = trainer.workers.actor_rollout.generate_sequences(prompts.repeat(2, interleave=True), call_index=3)
     short = trainer.finish_rollout(PendingRollout(3, 1, SimpleNamespace(get=lambda: first), time.perf_counter()))
-    save_rollouts_ahead(str(tmp_path), [short])
-    (restored,) = load_rollouts_ahead(str(tmp_path))
+    save_rollouts_ahead(str(tmp_path), Ahead([short]))
+    (restored,) = load_rollouts_ahead(str(tmp_path)).rollouts
     trainer._weights_version = 2
     rollout = trainer.fill_groups(restored)
     assert list(rollout.batch["uid"]) == ["s-1", "s-1", "step3.gen1-0", "step3.gen1-0"]

@@ -8,20 +8,25 @@ import pytest
 import torch
 
 from ballast.protocol import Batch
-from ballast.trainer.step.rollout_pipeline import (Rollout, RolloutPipeline, idle_metrics, load_rollouts_ahead,
+from ballast.trainer.step.rollout_pipeline import (Ahead, Rollout, RolloutPipeline, idle_metrics, load_rollouts_ahead,
                                                    save_rollouts_ahead, staleness_metrics)
 
 
 class _Loop:
     """A trainer loop in miniature: `updates` counts finished steps (the weight version); launch records
-    the version current when a step's generation is submitted, as `launch_rollout` does."""
+    the version current when a step's generation is submitted, as `launch_rollout` does; the data hands
+    out prompts numbered 1, 2, ... in order (`drawn`)."""
 
     def __init__(self, ahead, last_step=8, finish=None):
-        self.updates, self.launched = 0, []
-        self.pipeline = RolloutPipeline(self.launch, finish or self.finish, ahead, last_step)
+        self.updates, self.launched, self.drawn = 0, [], []
+        self.pipeline = RolloutPipeline(self.draw, self.launch, finish or self.finish, ahead, last_step)
 
-    def launch(self, step):
-        self.launched.append(step)
+    def draw(self, step):
+        self.drawn.append(len(self.drawn) + 1)
+        return Batch({"prompt": torch.full((2, 1), float(self.drawn[-1]))})
+
+    def launch(self, step, prompts):
+        self.launched.append((step, int(prompts["prompt"][0])))
         return step, self.updates
 
     @staticmethod
@@ -48,16 +53,16 @@ def test_a_sample_is_at_most_ahead_updates_old_and_exactly_that_once_the_pipelin
     assert [r.version for r in taken] == [max(0, s - ahead - 1) for s in range(1, 9)]
     ages = [staleness_metrics(r, r.step)["training/off_policy/trajectory_staleness/max"] for r in taken]
     assert ages == [min(s - 1, ahead) for s in range(1, 9)]
-    assert loop.launched == list(range(1, 9))  # each step launched once, none past the last
+    assert loop.launched == [(s, s) for s in range(1, 9)]  # each step launched once, none past the last
 
 
 def test_ahead_zero_launches_the_next_step_after_the_update():
     loop = _Loop(0)
     loop.pipeline.take(1)
-    assert loop.launched == [1]
+    assert loop.launched == [(1, 1)]
     loop.updates += 1
     loop.pipeline.launch_through(2)
-    assert loop.launched == [1, 2]
+    assert loop.launched == [(1, 1), (2, 2)]
     assert loop.pipeline.take(2)[0].version == 1  # generated with the updated weights: synchronous
 
 
@@ -92,12 +97,12 @@ def test_an_error_surfaces_when_its_step_is_taken_and_earlier_steps_still_train(
 
 
 def test_a_launch_error_waits_for_its_step():
-    def launch(step):
+    def draw(step):
         if step == 2:
             raise LookupError("the training data is used up")
-        return step, 0
+        return Batch({"prompt": torch.zeros(2, 1)})
 
-    pipeline = RolloutPipeline(launch, _Loop.finish, 1, 5)
+    pipeline = RolloutPipeline(draw, lambda step, prompts: (step, 0), _Loop.finish, 1, 5)
     assert pipeline.take(1)[0].step == 1  # launching step 2 already failed, step 1 is unaffected
     with pytest.raises(LookupError, match="used up"):
         pipeline.take(2)
@@ -106,21 +111,53 @@ def test_a_launch_error_waits_for_its_step():
 def test_rollouts_generated_ahead_survive_a_checkpoint(tmp_path):
     loop = _Loop(2)
     loop.run([1, 2, 3])
-    ahead = loop.pipeline.ahead_rollouts(4)
-    assert [r.step for r in ahead] == [4, 5, 6]
+    ahead = loop.pipeline.saved_ahead(4)
+    assert [r.step for r in ahead.rollouts] == [4, 5, 6] and ahead.relaunch == []
     save_rollouts_ahead(str(tmp_path), ahead)
     resumed = _Loop(2)
-    resumed.updates = 3
+    resumed.updates, resumed.drawn = 3, list(loop.drawn)  # the data position is restored past step 6
     resumed.pipeline.restore(load_rollouts_ahead(str(tmp_path)))
     taken = resumed.run([4, 5, 6, 7])
     assert [r.version for r in taken] == [1, 2, 3, 4]  # 4, 5 and 6 as generated before the checkpoint
-    assert torch.equal(taken[0].batch["x"], ahead[0].batch["x"])
-    assert resumed.launched == [7, 8]  # the restored steps are not generated again
+    assert torch.equal(taken[0].batch["x"], ahead.rollouts[0].batch["x"])
+    assert resumed.launched == [(7, 7), (8, 8)]  # the restored steps are not generated again
+
+
+def test_a_generation_that_failed_ahead_is_generated_again_on_resume_with_its_own_prompts(tmp_path):
+    # The checkpoint after step 2 (one step ahead): step 3 finished, step 4 (launched after step 2's
+    # update) failed. The data position is past step 4's prompts, so they go into the checkpoint: the
+    # resumed run generates them at step 4, on its current weights (version 2, as the uninterrupted
+    # run), and step 5 draws the next prompts. Before, step 4 trained on step 5's prompts.
+    def finish(pending):
+        step, version = pending
+        if step == 4:
+            raise RuntimeError("the reward function raised on step 4's batch")
+        return _Loop.finish(pending)
+
+    loop = _Loop(1, finish=finish)
+    loop.run([1, 2])
+    ahead = loop.pipeline.saved_ahead(3)
+    assert [r.step for r in ahead.rollouts] == [3]
+    assert [(step, int(p["prompt"][0])) for step, p in ahead.relaunch] == [(4, 4)]
+    save_rollouts_ahead(str(tmp_path), ahead)
+    resumed = _Loop(1)
+    resumed.updates, resumed.drawn = 2, list(loop.drawn)
+    resumed.pipeline.restore(load_rollouts_ahead(str(tmp_path)))
+    taken = resumed.run([3, 4, 5, 6])
+    assert [r.version for r in taken] == [1, 2, 3, 4]
+    assert resumed.launched == [(s, s) for s in range(4, 9)]  # every prompt once, at its own step
+    # several steps ahead: from the first failure on, every launched step's prompts are kept (a
+    # finished one after the failure is generated again: the queue restarts at the failed step)
+    loop = _Loop(2, finish=finish)
+    loop.run([1, 2])
+    ahead = loop.pipeline.saved_ahead(3)
+    assert [r.step for r in ahead.rollouts] == [3]
+    assert [(step, int(p["prompt"][0])) for step, p in ahead.relaunch] == [(4, 4), (5, 5)]
 
 
 def test_no_rollouts_ahead_writes_nothing(tmp_path):
-    save_rollouts_ahead(str(tmp_path), [])
-    assert list(tmp_path.iterdir()) == [] and load_rollouts_ahead(str(tmp_path)) == []
+    save_rollouts_ahead(str(tmp_path), Ahead())
+    assert list(tmp_path.iterdir()) == [] and load_rollouts_ahead(str(tmp_path)) == Ahead()
 
 
 def test_steps_are_taken_in_order():
@@ -139,17 +176,18 @@ def test_idle_ratios():
 def test_a_checkpoint_keeps_the_rollouts_ahead_before_a_failed_launch(tmp_path):
     # the data runs out while launching step 5: a checkpoint after step 3 keeps step 4 and does not
     # raise; the failure stays queued for the step that needs it
-    def launch(step):
+    def draw(step):
         if step >= 5:
             raise LookupError("the training data is used up")
-        return step, 0
+        return Batch({"prompt": torch.zeros(2, 1)})
 
-    pipeline = RolloutPipeline(launch, _Loop.finish, 2, 8)
+    pipeline = RolloutPipeline(draw, lambda step, prompts: (step, 0), _Loop.finish, 2, 8)
     for step in (1, 2, 3):
         pipeline.take(step)
         pipeline.launch_through(step + 3)
-    assert [r.step for r in pipeline.ahead_rollouts(4)] == [4]
-    assert pipeline.ahead_rollouts(5) == []  # the queue starts at step 4: nothing after a step not yet taken
+    ahead = pipeline.saved_ahead(4)
+    assert [r.step for r in ahead.rollouts] == [4] and ahead.relaunch == []  # step 5 drew no prompts
+    assert pipeline.saved_ahead(5) == Ahead()  # the queue starts at step 4: nothing after a step not yet taken
     assert pipeline.take(4)[0].step == 4
     with pytest.raises(LookupError, match="used up"):
         pipeline.take(5)
