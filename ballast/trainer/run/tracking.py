@@ -83,14 +83,19 @@ class Tracker:
 
     def rewind(self, step: int) -> None:
         """Make metrics.jsonl describe this run: keep only the rows up to `step`, the step a resumed run
-        continues from (0 for a fresh start), so steps replayed after a crash are not listed twice."""
+        continues from (0 for a fresh start), so steps replayed after a crash are not listed twice. A
+        last row cut short (the process was killed while writing it, a full disk) is dropped too: its
+        step comes after the checkpoint (rows are written before a step's save)."""
         if self._jsonl is None:
             return
         self._jsonl.close()
         keep = []
         if step > 0 and os.path.isfile(self._jsonl_path):
             with open(self._jsonl_path) as f:
-                keep = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+                lines = [line for line in f if line.strip()]
+            if lines and not _is_json_row(lines[-1]):
+                lines.pop()
+            keep = [line for line in lines if json.loads(line).get("step", 0) <= step]
         with open(self._jsonl_path, "w") as f:
             f.writelines(keep)
         self._jsonl = open(self._jsonl_path, "a", buffering=1)
@@ -144,6 +149,14 @@ CONSOLE_KEYS: List[str] = [
 PROGRESS_KEYS = [("critic/score/mean", "score"), ("actor/pg_loss", "pg_loss"), ("response_length/mean", "resp_len"),
                  # rollout correction: the rollout/training mismatch, and what rejection dropped
                  ("rollout_corr/k3_kl", "mismatch_kl"), ("rollout_corr/rollout_rs_masked_fraction", "rejected")]
+
+
+def _is_json_row(line: str) -> bool:
+    try:
+        json.loads(line)
+    except ValueError:
+        return False
+    return line.endswith("\n")
 
 
 def progress_postfix(metrics: Dict[str, float]) -> Dict[str, str]:

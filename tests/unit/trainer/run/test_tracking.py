@@ -65,6 +65,21 @@ def test_rewind_keeps_the_rows_a_resumed_run_continues_from(tmp_path):
     assert (tmp_path / "metrics.jsonl").read_text() == ""
 
 
+def test_rewind_drops_a_last_row_cut_short_by_a_kill(tmp_path):
+    tracker = Tracker(["jsonl"], "p", "e", str(tmp_path))
+    for step in (1, 2):
+        tracker.log({"x": float(step)}, step=step)
+    tracker.finish()
+    with open(tmp_path / "metrics.jsonl", "a") as f:  # step 3's row, cut short by a kill -9
+        f.write('{"step": 3, "x": 3.0, "actor/pg_lo')
+    resumed = Tracker(["jsonl"], "p", "e", str(tmp_path))
+    resumed.rewind(2)  # used to raise JSONDecodeError: the resumed run could not start
+    resumed.log({"x": 30.0}, step=3)
+    resumed.finish()
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [(r["step"], r["x"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+
+
 def test_progress_bar_numbers_and_validation_line():
     metrics = {"critic/score/mean": 0.4567, "actor/pg_loss": -0.01234, "response_length/mean": 61.61, "actor/lr": 1.0}
     assert progress_postfix(metrics) == {"score": "0.457", "pg_loss": "-0.0123", "resp_len": "61.6"}
