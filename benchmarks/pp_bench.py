@@ -6,7 +6,10 @@ padding of fixed slots, and pp=2 against dp=2.
 Every measured case runs two gloo processes (one thread each) of `PipelineEngine` (pp=2, dp=1) on a
 random Qwen2 of 8 layers, hidden 256, vocab 512 (`small`), one mini-batch per step:
 
-* `bubble`: equal micro-batches (each four sequences of 250 tokens in a 1024-token slot), m of them,
+* `bubble`: on the same model with 16 layers (`deep`: with v=2 each rank's two chunks hold four layers,
+  so the head and loss on the last chunk and the extra sends of interleaving, which the formula leaves
+  out, weigh on it no more than on the chunks of a real model), equal micro-batches (each four sequences
+  of 250 tokens in a 1024-token slot), m of them,
   for 1F1B and interleaved 1F1B (v=2) at m = 2, 4, 8, and zero bubble (v=2): the engine's
   `perf/pp_bubble_fraction` (the mean over the two ranks of the time a rank computed nothing, over
   the step's wall time, from the stages' own timelines), median over the repeats, against the
@@ -43,6 +46,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from machine import cpu_info  # noqa: E402
 
 SMALL = dict(vocab_size=512, hidden_size=256, num_layers=8, num_heads=4, num_kv_heads=2, intermediate_size=512)
+DEEP = dict(SMALL, num_layers=16)
 SLOT = 1024
 
 
@@ -246,12 +250,14 @@ def main(argv=None) -> int:
     cases = set(args.cases.split(","))
     results = {"machine": cpu_info(), "model": SMALL, "slot_tokens": SLOT, "repeats": args.repeats}
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_tiny_causal_lm(os.path.join(tmp, "small"), seed=0, vocab_size=SMALL["vocab_size"],
-                                         hidden_size=SMALL["hidden_size"], num_layers=SMALL["num_layers"],
-                                         num_heads=SMALL["num_heads"], num_kv_heads=SMALL["num_kv_heads"],
-                                         intermediate_size=SMALL["intermediate_size"], max_positions=2048)
+        def build(name, shape):
+            return build_tiny_causal_lm(os.path.join(tmp, name), seed=0, max_positions=2048, **shape)
+
+        model_dir = build("small", SMALL)
         if "bubble" in cases:
-            results["bubble"] = _run(_bubble_worker, model_dir, args.repeats, [2, 4] if args.quick else [2, 4, 8])
+            results["bubble_model"] = DEEP
+            results["bubble"] = _run(_bubble_worker, build("deep", DEEP), args.repeats,
+                                     [2, 4] if args.quick else [2, 4, 8])
         if "order" in cases:
             results["order"] = _run(_order_worker, model_dir, args.repeats, 1 if args.quick else 3)
         if "pp_vs_dp" in cases:
