@@ -17,7 +17,7 @@ from ballast.balance.bucketing import check_bucket_boundaries
 from ballast.balance.pipeline import SCHEDULE_KINDS
 
 # The allowed values of each choice field, stated once; the tuples are read back from the types.
-Role = Literal["actor", "critic", "ref"]
+Role = Literal["actor", "critic", "ref", "reward"]
 LrSchedule = Literal["constant", "cosine"]
 Device = Literal["auto", "cpu", "cuda"]
 AttnBackend = Literal["auto", "sdpa", "flash"]

@@ -187,7 +187,7 @@ class TrainEngine:
     def _forward_options(self, plan: MiniBatchPlan, temperature: float, calculate_entropy: bool) -> ForwardOptions:
         return ForwardOptions(
             share_prompts=plan.shared_prompts,
-            is_critic=self.cfg.role == "critic",
+            is_critic=self.cfg.role in ("critic", "reward"),  # a score per position
             use_remove_padding=self.cfg.use_remove_padding,
             temperature=temperature,
             calculate_entropy=calculate_entropy,

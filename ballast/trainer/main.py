@@ -82,6 +82,7 @@ class PreparedRun:
     plan: "RunPlan"
     data: "RunData"
     reward: "RewardManager"
+    rm_tokenizer: Optional[object] = None  # reward.reward_model.enable: the reward model's tokenizer
 
 
 def prepare_typed(cfg: BallastConfig) -> PreparedRun:
@@ -114,7 +115,12 @@ def prepare_typed(cfg: BallastConfig) -> PreparedRun:
                                            str(cfg.reward_model.reward_manager))
     except (ValueError, OSError, ImportError) as err:  # the messages name the file and the function
         raise InputError(str(err)) from err
-    return PreparedRun(cfg=cfg, plan=plan, data=data, reward=reward)
+    rm_tokenizer = None
+    if plan.specs.reward_model is not None:
+        from ballast.trainer.run.reward_model import check_reward_model
+
+        rm_tokenizer = check_reward_model(cfg, plan.specs.reward_model.sizes, tokenizer)
+    return PreparedRun(cfg=cfg, plan=plan, data=data, reward=reward, rm_tokenizer=rm_tokenizer)
 
 
 def _check_code_reward(cfg: BallastConfig, data) -> None:
@@ -212,7 +218,13 @@ def training_session(prepared: PreparedRun, raw_config: Optional[dict] = None,
         record_workers(workers, cfg.trainer.default_local_dir)
         with open(os.path.join(cfg.actor_rollout_ref.model.path, "config.json")) as f:
             model_config = json.load(f)
-        trainer = RayPPOTrainer(cfg, plan.sizes, prepared.data, workers, prepared.reward, tracker, model_config)
+        reward = prepared.reward
+        if workers.reward_model is not None:
+            from ballast.trainer.run.reward_model import combined_reward
+
+            reward = combined_reward(cfg, reward, reward.tokenizer, prepared.rm_tokenizer, plan.specs.reward_model,
+                                     workers.reward_model)
+        trainer = RayPPOTrainer(cfg, plan.sizes, prepared.data, workers, reward, tracker, model_config)
         trainer.resume(resume)
         yield trainer
     except BaseException as err:

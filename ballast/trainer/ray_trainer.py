@@ -25,8 +25,9 @@ What this driver leaves out of verl's `RayPPOTrainer.fit`, and why:
    sample is an agent loop (multi-turn, with tools) on request-level rollout inside the rollout
    workers. Every per-rank size is known at start-up (`DerivedSizes`), so a bad combination fails
    before any worker starts.
-3. Rule rewards on the driver. No reward-model worker and no ReMax baseline generation: each is a
-   branch of verl's loop that Ballast's batch-path guarantees would have to be re-proven for.
+3. Rule rewards on the driver; a discriminative reward model (`reward.reward_model.enable`) scores
+   the whole batch once generated, on resident workers planned like every forward-only phase
+   (`ballast.trainer.step.reward_model`). No generative judge and no ReMax baseline generation.
 4. Old log-probs come from the actor, unless rollout correction's bypass mode takes the rollout
    engine's (`ballast.trainer.step.rollout_correction`). The rollout's own log-probs, when
    requested, feed the mismatch metrics (`rollout_corr/*`, `training/rollout_actor_log_prob_diff`)

@@ -19,6 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 from ballast.trainer.config.errors import ConfigError  # noqa: F401 (the loader's error, re-exported)
 from ballast.trainer.config.off_policy import prepare_off_policy
 from ballast.trainer.config.overrides import ambiguous_overrides
+from ballast.trainer.config.legacy_reward_model import migrate_legacy_keys
 from ballast.trainer.config.schema import BallastConfig, Choice
 from ballast.trainer.config.schema.choice import values
 
@@ -66,6 +67,7 @@ def to_typed(cfg: DictConfig) -> BallastConfig:
     plain.pop("hydra", None)
     for line in prepare_off_policy(plain):
         print(line, flush=True)
+    migrate_legacy_keys(plain)
     data = plain.get("data", {})
     if isinstance(data, dict):
         for key in ("train_files", "val_files"):

@@ -25,6 +25,7 @@ from ballast.trainer.config.loader import ConfigError
 from ballast.trainer.config.off_policy import overlap, split_pools
 from ballast.trainer.config.pipeline import pipeline_shape
 from ballast.trainer.config.schema import OptimSection
+from ballast.trainer.run.reward_model import RewardModelRun, reward_model_run
 from ballast.trainer.step.reward import OverlongBuffer
 from ballast.trainer.step.rollout_correction import loss_correction, rollout_correction_settings
 from ballast.workers.agent_loop.config import AgentLoopSpec, MultiTurnConfig
@@ -47,6 +48,7 @@ class WorkerSpecs:
     actor_rollout_ref: ActorRolloutRefSpec
     critic: Optional[CriticSpec]
     rollout: Optional[ActorRolloutRefSpec] = None
+    reward_model: Optional[RewardModelRun] = None  # `reward.reward_model.enable`
 
 
 def worker_specs(cfg: BallastConfig, sizes: DerivedSizes, total_steps: int) -> WorkerSpecs:
@@ -56,15 +58,16 @@ def worker_specs(cfg: BallastConfig, sizes: DerivedSizes, total_steps: int) -> W
     schedule_steps = total_steps * overlap(cfg).local_updates
     trainer = actor_rollout_ref_spec(cfg, sizes, schedule_steps)
     critic = critic_spec(cfg, sizes, schedule_steps) if sizes.critic is not None else None
+    rm = reward_model_run(cfg, sizes.world_size, sizes.max_seq_len_tokens)
     if not split_pools(cfg):
-        return WorkerSpecs(trainer, critic)
+        return WorkerSpecs(trainer, critic, reward_model=rm)
     # The rollout pool gets merged full weights through the object store (an adapter is merged in).
     served = rollout_config(cfg, None)
     rollout = dataclasses.replace(trainer, actor=None, actor_train=None, ref=None, ref_in_actor=False, rollout=served)
     # the weights travel in the rollout's dtype: a bf16 engine needs half the bytes of fp32 masters
     sync = dataclasses.replace(trainer.weight_sync, transfer_dtype=served.dtype)
     return WorkerSpecs(dataclasses.replace(trainer, rollout=None, rollout_val_sampling=None, agent=None,
-                                           weight_sync=sync), critic, rollout)
+                                           weight_sync=sync), critic, rollout, rm)
 
 
 def engine_optim(optim: OptimSection, total_steps: int, prefix: str = "optim") -> OptimConfig:

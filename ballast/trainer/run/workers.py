@@ -11,6 +11,7 @@ from typing import Dict, Optional, Sequence
 from ballast.balance import PlanObjective
 from ballast.single_controller import RayWorkerGroup, ResourcePool
 from ballast.trainer.run.builders import WorkerSpecs
+from ballast.trainer.run.reward_model import create_group as create_reward_model_group
 from ballast.trainer.config import BallastConfig, DerivedSizes
 from ballast.trainer.config.off_policy import overlap
 from ballast.trainer.step.plans import phase_objectives
@@ -57,6 +58,9 @@ class Workers:
     # separate_async: the rollout-only group on a pool of its own (None: the rollout is colocated)
     rollout: Optional[RayWorkerGroup] = None
     rollout_pool: Optional[ResourcePool] = None
+    # reward.reward_model.enable: the resident reward model (on its own pool, or None: on `pool`)
+    reward_model: Optional[RayWorkerGroup] = None
+    reward_model_pool: Optional[ResourcePool] = None
 
     @property
     def world_size(self) -> int:
@@ -73,10 +77,10 @@ class Workers:
         return self.rollout if self.rollout is not None else self.actor_rollout
 
     def shutdown(self) -> None:
-        for group in (self.rollout, self.critic, self.actor_rollout):
+        for group in (self.reward_model, self.rollout, self.critic, self.actor_rollout):
             if group is not None:
                 group.kill()
-        for pool in (self.rollout_pool, self.pool):
+        for pool in (self.reward_model_pool, self.rollout_pool, self.pool):
             if pool is not None:
                 pool.remove()
 
@@ -88,7 +92,8 @@ def create_workers(cfg: BallastConfig, sizes: DerivedSizes, specs: WorkerSpecs) 
                         name=f"ballast_{os.getpid()}", ready_timeout_s=cfg.ray_init.timeout_s)
     workers: Optional[Workers] = None
     try:
-        share = 0.5 if sizes.use_critic else 1.0
+        rm = specs.reward_model
+        share = 1.0 / (1 + sizes.use_critic + (rm is not None and not rm.sizes.own_pool))
         env = worker_env(cfg.ray_init.worker_env_vars)
         logs = worker_log_dir(t.default_local_dir)
         actor = RayWorkerGroup(pool, ActorRolloutRefWorker, init_args=(specs.actor_rollout_ref,),
@@ -119,6 +124,10 @@ def create_workers(cfg: BallastConfig, sizes: DerivedSizes, specs: WorkerSpecs) 
             print(report, flush=True)
         if critic is not None:
             critic.init_model()
+        if rm is not None:
+            workers.reward_model, workers.reward_model_pool = create_reward_model_group(
+                cfg, rm, pool, share, use_gpu, env=env, timeout_s=t.worker_timeout_s, log_dir=logs)
+            workers.reward_model.init_model()  # loaded once: resident for the whole run
         if workers.rollout is not None:
             workers.rollout.init_model()
             print(f"[ballast] separate_async: {actor.world_size} trainer and {workers.rollout.world_size} rollout "

@@ -35,7 +35,23 @@ class OverlongBufferConfig:
 
 
 @dataclass(frozen=True)
+class LegacyRewardModelPath:
+    path: Optional[str]
+    """verl's legacy `reward_model.model.path`: moved to `reward.reward_model.model_path` when set."""
+
+
+@dataclass(frozen=True)
 class RewardModelConfig:
+    enable: Optional[bool]
+    """verl's legacy key: moved to `reward.reward_model.enable` when set (as are the next three)."""
+    enable_resource_pool: Optional[bool]
+    """Legacy `reward.reward_model.enable_resource_pool`."""
+    n_gpus_per_node: Optional[int]
+    """Legacy `reward.reward_model.n_gpus_per_node`."""
+    nnodes: Optional[int]
+    """Legacy `reward.reward_model.nnodes`."""
+    model: LegacyRewardModelPath
+    """Legacy `reward.reward_model.model_path`."""
     reward_manager: RewardManagerName
     """`naive` or `dapo` (verl's managers): `dapo` records a plain-number score as `acc` and applies the overlong buffer."""
     overlong_buffer: OverlongBufferConfig
@@ -43,9 +59,39 @@ class RewardModelConfig:
 
 
 @dataclass(frozen=True)
+class ScoringModelConfig:
+    enable: bool
+    """Score every conversation with a discriminative reward model (docs/reward_models.md)."""
+    enable_resource_pool: bool
+    """The reward model on a pool of its own (`n_gpus_per_node` x `nnodes`); false: colocated with the trainer."""
+    n_gpus_per_node: int
+    """Devices (CPU: worker processes) per node of the reward model's own pool."""
+    nnodes: int
+    """Nodes of the reward model's own pool (> 0 with `enable_resource_pool`)."""
+    model_path: Optional[str]
+    """A local Hugging Face directory holding an `*ForSequenceClassification` with one label."""
+    score_weight: float
+    """Weight of the reward model's score in the reward (Ballast's key)."""
+    rule_weight: float
+    """Weight of the rule/function score (Ballast's key; 0: the reward model alone, as verl; the rule score is still logged)."""
+    max_length: Optional[int]
+    """Longest conversation the reward model reads, in its tokens (null: data.max_prompt_length + data.max_response_length, at most its max_position_embeddings - 1)."""
+    use_remove_padding: bool
+    """Packed (padding-free) forward, as the other roles' `use_remove_padding`."""
+    micro_batch_size_per_gpu: Optional[int]
+    """Static micro-batch rows per rank of the reward model's forward."""
+    use_dynamic_bsz: bool
+    """Token-budget micro-batches (`forward_max_token_len_per_gpu`) instead of static ones."""
+    forward_max_token_len_per_gpu: int
+    """Token budget of one micro-batch with `use_dynamic_bsz`."""
+
+
+@dataclass(frozen=True)
 class RewardConfig:
     timeout_s: Optional[float]
     """Longest one score-function call may take (then the run stops, exit 2); null: no limit, main thread."""
+    reward_model: ScoringModelConfig
+    """verl's `reward.reward_model.*`: a discriminative reward model in the reward path."""
 
 
 @dataclass(frozen=True)
