@@ -18,6 +18,7 @@ _STREAMS = (  # (path prefix, stream); the first match wins
     ("tests/e2e/test_bad_inputs.py", "stream-cluster"),
     ("tests/e2e/test_split_pools_ahead.py", "stream-cluster"),
     ("tests/e2e/test_partial_rollouts.py", "stream-cluster"),
+    ("tests/e2e/test_split_pools_resume_after_kill.py", "stream-cluster"),
     ("tests/e2e/test_rollout_correction_runs.py", "stream-cluster"),
     ("tests/e2e/", "stream-e2e"),
     ("tests/distributed/", "stream-cluster"),
