@@ -11,7 +11,7 @@ barrier waits for. Each tool call goes through the real `ToolExecutor` to a tool
 before the next turn. Lengths and call counts come from `--seed`, identical for both modes.
 
 Modes, on one engine (vLLM by default, `--backend hf` for transformers) and the same `AsyncEngine`:
-  * `async`: every conversation is its own coroutine (what rollout.mode=async runs): its next turn
+  * `async`: every conversation is its own coroutine (what the rollout runs): its next turn
     is submitted as soon as its tool answers, while other conversations are generating;
   * `batched`: turn by turn, as a batched rollout would play the same conversations: all turn-t
     requests are submitted together (one batch, each row stopping at its own length), the step
@@ -68,7 +68,6 @@ def make_work(args) -> list[dict]:
 def build_engine(args, work: list[dict]):
     from ballast.models import build_tiny_model
     from ballast.workers.rollout import RolloutConfig, SamplingConfig, build_backend
-    from ballast.workers.rollout.async_engine import make_core
 
     model = args.model_dir or str(build_tiny_model(os.path.join(args.cache, "agent_bench_tiny"),
                                                    preset=args.preset, seed=0))
@@ -87,7 +86,7 @@ def build_engine(args, work: list[dict]):
         # would depend on what ran before it.
         if args.backend == "vllm" and backend.llm.reset_prefix_cache() is False:
             raise RuntimeError("vLLM refused to reset its prefix cache between runs")
-        core = make_core(backend, sampling)
+        core = backend.core(sampling)
         return new_core.trace.wrap(core) if new_core.trace is not None else core
 
     new_core.trace = StepTrace(backend) if args.trace_steps and args.backend == "vllm" else None

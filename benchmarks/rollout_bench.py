@@ -1,7 +1,8 @@
 """Rollout throughput on CPU: vLLM backend vs HF backend, same tiny model, same prompts.
 
 64 prompts x 64 new tokens by default, sampling at temperature 1 with ignore_eos so both backends
-generate exactly that many tokens; one warm-up call per backend is excluded; tokens/s uses the
+generate exactly that many tokens, each call through the rollout's one generate path (single-turn
+agent loops on the backend's request-level core, as the rollout worker runs them); one warm-up call per backend is excluded; tokens/s uses the
 fastest of --repeats timed calls (the least disturbed by other processes on a shared machine; the
 median is reported too). One thread, as a colocated trainer process would use.
 
@@ -51,11 +52,15 @@ def make_prompts(num_prompts: int, min_len: int, max_len: int, vocab_size: int, 
 
 def time_backend(backend, prompts: TensorDict, sampling, repeats: int) -> tuple[float, float, int]:
     """(fastest, median) seconds per generate call after one warm-up, and the tokens per call."""
-    backend.generate(prompts, sampling)
+    from ballast.protocol import Batch
+    from ballast.workers.agent_loop import AgentLoopRunner
+
+    runner = AgentLoopRunner(backend)
+    runner.generate(Batch(prompts), sampling)
     seconds, tokens = [], 0
     for _ in range(repeats):
         start = time.perf_counter()
-        out = backend.generate(prompts, sampling)
+        out = runner.generate(Batch(prompts), sampling).tensors
         seconds.append(time.perf_counter() - start)
         tokens = int(out["response_mask"].sum())
     return min(seconds), statistics.median(seconds), tokens

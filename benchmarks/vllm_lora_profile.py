@@ -24,12 +24,20 @@ import time
 import torch
 
 
+def generate(backend, prompts, call_index: int):
+    """One rollout call (single-turn agent loops on the engine's core, as the rollout worker runs it)."""
+    from ballast.protocol import Batch
+    from ballast.workers.agent_loop import AgentLoopRunner
+
+    return AgentLoopRunner(backend).generate(Batch(prompts), call_index=call_index).tensors
+
+
 def timed_calls(backend, prompts, repeats: int) -> list:
-    backend.generate(prompts, call_index=0)  # warm-up
+    generate(backend, prompts, call_index=0)  # warm-up
     times = []
     for i in range(repeats):
         start = time.perf_counter()
-        backend.generate(prompts, call_index=i + 1)
+        generate(backend, prompts, call_index=i + 1)
         times.append(time.perf_counter() - start)
     return times
 
@@ -51,7 +59,7 @@ def compare_paths(backend, prompts, repeats: int) -> dict:
             for name in (list(modes) if i % 2 == 0 else list(modes)[::-1]):
                 PunicaWrapperCPU.add_lora_linear, backend._adapter_id = modes[name]
                 start = time.perf_counter()
-                outs[name] = backend.generate(prompts, call_index=200 + i)["responses"]
+                outs[name] = generate(backend, prompts, call_index=200 + i)["responses"]
                 times[name].append(time.perf_counter() - start)
             same_tokens &= bool((outs["one_slot"] == outs["per_slice"]).all())
     finally:
@@ -105,7 +113,7 @@ def main() -> None:
         result[name] = {"s_per_call": statistics.median(times), "all": times}
         if rank is not None:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-                backend.generate(prompts, call_index=99)
+                generate(backend, prompts, call_index=99)
             table = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:args.top]
             result["ops"] = [{"op": e.key, "calls": e.count, "self_cpu_s": e.self_cpu_time_total / 1e6} for e in table]
             result["profiled_calls_total"] = sum(e.count for e in prof.key_averages())

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Agent-loop GRPO with a tool on CPU: SmolLM2-135M-Instruct learns to use a calculator for multi-digit
 # products ("What is 347 * 86?"), which it cannot do in its head (0 of 32 held-out questions without the
-# tool). rollout.mode=async runs every sample as a tool_agent conversation (hermes tool calls, the
+# tool). multi_turn.enable runs every sample as a tool_agent conversation (hermes tool calls, the
 # calculator from examples/tools/calculator.yaml); the reward is 1 when the model's own last
 # "Answer: <n>" is the product. 2 DP workers, vLLM rollouts, remove-padding, dynamic batch size.
 # Held-out metrics every 4 steps in $RUN_DIR/metrics.jsonl: val/score/mean (greedy), val/agent/*;

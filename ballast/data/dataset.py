@@ -8,8 +8,7 @@ dropped by ``truncation="filter"`` are already gone).
 Row format (verl): ``prompt`` (list of ``{"role", "content"}`` messages; a non-empty string is taken
 as one user message), ``data_source`` (str), ``reward_model`` (dict with ``ground_truth``), optional
 ``extra_info`` (dict; ``extra_info["index"]`` is the sample's index, else its row number) and
-``ability`` and ``agent_name`` (the agent loop that plays the row under rollout.mode=async; None: the
-configured default). Row numbers in errors are 0-based within their file.
+``ability`` and ``agent_name`` (the agent loop that plays the row; None: the configured default). Row numbers in errors are 0-based within their file.
 """
 
 from __future__ import annotations

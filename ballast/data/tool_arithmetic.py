@@ -1,6 +1,6 @@
 """Multi-digit products that a small model cannot do in its head but can with a calculator tool.
 
-The task for agent-loop RL (rollout.mode=async with the `calculator` tool): "What is 347 * 86?".
+The task for agent-loop RL (`tool_agent` with the `calculator` tool): "What is 347 * 86?".
 SmolLM2-135M-Instruct gets essentially none of these right unaided, so any reward comes from calling
 the tool and copying its result into the answer.
 

@@ -2,7 +2,7 @@
 concatenate (`concat_padded`).
 
 A rollout call lays its samples out as a left-padded prompt of width P (the call's longest prompt)
-followed by a right-padded response of width R (see `ballast.workers.rollout.postprocess`). Two calls
+followed by a right-padded response of width R (see `ballast.workers.agent_loop.output`). Two calls
 rarely agree on P, so their batches cannot be stacked as they are. Widening a batch keeps every real
 token where the layout wants it: prompt-side columns are added on the left, response-side columns on
 the right, so the last prompt token stays next to the first response token and response column j is

@@ -21,8 +21,8 @@ What this driver leaves out of verl's `RayPPOTrainer.fit`, and why:
    (`num_warmup_batches`), its partial rollouts (the trainer's next weights take over the requests in
    flight, each token's version recorded) and its `parameter_sync_step` local updates per step
    (`local_updates`). verl's `colocate_async` (colocated partial rollouts sampled from a replay
-   buffer) is refused at start-up (`ballast.trainer.config.off_policy`). With rollout.mode=async each
-   sample is an agent loop (multi-turn, with tools) on request-level rollout inside the rollout
+   buffer) is refused at start-up (`ballast.trainer.config.off_policy`). Every sample is an agent
+   loop (single-turn by default; multi-turn, with tools) on request-level rollout inside the rollout
    workers. Every per-rank size is known at start-up (`DerivedSizes`), so a bad combination fails
    before any worker starts.
 3. Rule rewards on the driver; a discriminative reward model (`reward.reward_model.enable`) scores
@@ -214,7 +214,7 @@ class RayPPOTrainer:
         actor_key = "train_log_probs" if self.correction.bypass else "old_log_probs"
         metrics.update(old_log_prob_metrics(batch, self.actor_loss_cfg, actor_key))
         metrics.update(data_metrics(batch, self.cfg.data.max_response_length, self.sizes.use_critic))
-        metrics.update(agent_metrics(batch.non_tensors))  # rollout.mode=async: turns, tools, stop reasons
+        metrics.update(agent_metrics(batch.non_tensors))  # turns, tools, stop reasons
         self.monitor.report(step)
         metrics.update(timing_metrics(batch, timing))
         metrics.update(idle_metrics(timing))

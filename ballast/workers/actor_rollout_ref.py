@@ -5,8 +5,9 @@ Creation order matters (see `rollout/vllm_backend.py` and docs/rollout.md): the 
 and the FSDP engines come first, then the vLLM engine, which builds its own groups on that world and
 must be kept for the process's life. Data arrives per role mesh: "actor" and "ref" are (dp, sp)
 meshes of their engines (SP peers get the same chunk, sp rank 0 answers); generation uses
-DP_COMPUTE_PROTO over all ranks, and a TP group all-gathers its prompts, generates once and each rank
-returns its own slice.
+DP_COMPUTE_PROTO over all ranks and runs every row as an agent-loop conversation on the request-level
+engine (`agent_loop.runner`); a TP group all-gathers its prompts, its leader runs the conversations
+while its peers replay the engine steps, and each rank returns its own slice.
 """
 
 from __future__ import annotations
@@ -31,11 +32,11 @@ from ballast.single_controller.object_store import (
 from ballast.engine import MiniBatchPlan, PhasePlan
 from ballast.workers.on_policy import OldLogProbMode, SelfOldLogProbLoss, rows_after_first
 from ballast.workers.perf import mfu_metrics, peak_flops
-from ballast.workers.rollout import build_backend, new_tp_group, tp_generate
+from ballast.workers.rollout import build_backend
 from ballast.workers.rollout.base import resolve_rollout_dtype
 from ballast.workers.rollout.weight_sync import SyncMode, sync_actor, sync_mode
 from ballast.workers.agent_loop.runner import AgentLoopRunner
-from ballast.workers.agent_loop.tp import tp_agent_generate
+from ballast.workers.agent_loop.tp import new_tp_group
 from ballast.workers.spec import ActorRolloutRefSpec
 from ballast.models import load_tokenizer
 from ballast.workers.sync_check import METRIC_PREFIX as SYNC_CHECK_PREFIX
@@ -47,7 +48,6 @@ PARTIAL_LOADS_METRIC = "rollout/partial/weight_loads"
 GENERATE_SECONDS_METRIC = "timing_s/generate_on_worker"  # the call's own seconds (sync + generation)
 
 ENGINE_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
-PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
 
 
 def engine_input(batch: Batch, extra=()) -> TensorDict:
@@ -74,8 +74,7 @@ class ActorRolloutRefWorker(Worker):
         self.actor: Optional[TrainEngine] = None
         self.ref: Optional[TrainEngine] = None
         self.rollout = None
-        self._agents: Optional[AgentLoopRunner] = None  # rollout.mode=async
-        self._tp_group = None
+        self._agents: Optional[AgentLoopRunner] = None  # the rollout's agent loops (every generate call)
         self._weights_stale = False
         self._sync_mode = SyncMode.FULL
         self._check: Optional[SyncCheck] = None  # the weight-sync check (None: off, or not calibrated yet)
@@ -104,11 +103,12 @@ class ActorRolloutRefWorker(Worker):
             self.set_mesh_info("ref", p.dp_rank, p.dp_size, p.collects)
         if spec.rollout is not None:
             tp = spec.rollout.tensor_model_parallel_size
-            if tp > 1:
-                self._tp_group = new_tp_group(tp)
+            group = new_tp_group(tp) if tp > 1 else None
             self.rollout = build_backend(_per_engine_seed(spec.rollout, self.rank // tp))
-            if spec.agent is not None:
-                self._agents = AgentLoopRunner(self.rollout, spec.agent)
+            if group is not None and torch.distributed.get_process_group_ranks(group) != self.rollout.tp_group_ranks:
+                raise RuntimeError(f"TP group ranks {torch.distributed.get_process_group_ranks(group)} differ from "
+                                   f"the engine's TP group {self.rollout.tp_group_ranks}")
+            self._agents = AgentLoopRunner(self.rollout, spec.agent, group)
         info = self._init_weight_sync()
         if self.actor is not None and self.rollout is not None:
             self.rollout.sleep()  # GPU: hand the memory to training until the first generate
@@ -151,40 +151,33 @@ class ActorRolloutRefWorker(Worker):
     @register(Dispatch.DP_COMPUTE_PROTO, pad=True)
     def generate_sequences(self, prompts: Batch, call_index: Optional[int] = None, validate: bool = False,
                            weights: Optional[StoredWeights] = None, updates=None) -> Output:
-        """Prompts (left-padded) -> prompts + responses. `call_index` enters every sampling seed;
-        `validate` switches to the validation sampling parameters; `weights` (a rollout pool of its own)
-        are loaded first, unless the engine already serves them or newer. `updates` (partial rollouts: a
-        `WeightMailbox`) is where newer weights are looked for during the call; they interrupt the turns
-        in flight, which resume under them. Metrics: the weight syncs' seconds (`timing_s/update_weights`)
-        when this call synced, and how many syncs landed mid-call (`rollout/partial/weight_loads`)."""
+        """Prompts (left-padded) -> prompts + responses, one agent-loop conversation per row (the
+        single-turn loop unless the row or the config names another). `call_index` enters every
+        sampling seed; `validate` switches to the validation sampling parameters; `weights` (a rollout
+        pool of its own) are loaded first, unless the engine already serves them or newer. `updates`
+        (partial rollouts: a `WeightMailbox`) is where newer weights are looked for during the call;
+        they interrupt the turns in flight, which resume under them. Metrics: the weight syncs' seconds
+        (`timing_s/update_weights`) when this call synced, and how many syncs landed mid-call
+        (`rollout/partial/weight_loads`)."""
         if self.rollout is None:
             raise ValueError(f"worker rank {self.rank} has no rollout role")
-        if updates is not None and self._agents is None:
-            raise ValueError("partial rollouts need the request-level rollout (actor_rollout_ref.rollout.mode=async)")
         call_start = time.perf_counter()
         if weights is not None and weights.version <= self._served_version:
             weights = None  # loaded during an earlier call (partial rollouts)
         metrics = self._load_stored(weights) if weights is not None else self._sync_from_actor()
         sampling = self.spec.rollout_val_sampling if validate else None
-        non_tensors = dict(prompts.non_tensors)
-        if self._agents is not None:  # request-level rollout: one agent loop per row, all concurrent
-            midway: Dict[str, list] = {}
-            source = None if updates is None else MailboxUpdates(
-                updates, self._served_version, lambda w: _add_metrics(midway, self._load_stored(w)))
-            result = tp_agent_generate(self._agents, prompts, self._tp_group, sampling, call_index=call_index,
-                                       updates=source)
-            if source is not None:
-                _add_metrics(metrics, midway)
-                metrics[PARTIAL_LOADS_METRIC] = [float(source.loads)]
-            out = result.tensors
-            non_tensors.update(result.columns)
-        else:
-            out = tp_generate(self.rollout, prompts.tensors.select(*PROMPT_KEYS), self._tp_group, sampling,
-                              call_index=call_index)
+        midway: Dict[str, list] = {}
+        source = None if updates is None else MailboxUpdates(
+            updates, self._served_version, lambda w: _add_metrics(midway, self._load_stored(w)))
+        result = self._agents.generate(prompts, sampling, call_index=call_index, updates=source)
+        if source is not None:
+            _add_metrics(metrics, midway)
+            metrics[PARTIAL_LOADS_METRIC] = [float(source.loads)]
         if self.actor is not None:  # colocated: the memory goes back to training
             self.rollout.sleep()
         metrics[GENERATE_SECONDS_METRIC] = [time.perf_counter() - call_start]
-        return Output(Batch(out, non_tensors=non_tensors, meta=dict(prompts.meta)), metrics)
+        non_tensors = {**prompts.non_tensors, **result.columns}
+        return Output(Batch(result.tensors, non_tensors=non_tensors, meta=dict(prompts.meta)), metrics)
 
     def _sync_from_actor(self) -> Dict[str, list]:
         """Colocated: move the actor's weights into the engine when an update (or a level-2 sleep) made

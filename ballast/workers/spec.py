@@ -65,7 +65,7 @@ class ActorRolloutRefSpec:
     rollout_val_sampling: Optional[SamplingConfig]
     ref: Optional[EngineConfig]
     temperature: float = 1.0
-    # rollout.mode=async: agent loops over request-level rollout (None: one batched generate per call)
+    # the rollout's agent loops (every generate call runs them; set exactly when the rollout role is)
     agent: Optional[AgentLoopSpec] = None
     seed: int = 0
     dist_timeout_s: float = 1800.0
@@ -80,8 +80,8 @@ class ActorRolloutRefSpec:
             raise ValueError("the actor role needs actor_train")
         if self.ref_in_actor and (self.ref is not None or self.actor is None or not self.actor.lora.enabled):
             raise ValueError("ref_in_actor needs an actor with a LoRA adapter and no separate ref engine")
-        if self.agent is not None and self.rollout is None:
-            raise ValueError("agent loops (rollout.mode=async) need the rollout role")
+        if (self.agent is None) != (self.rollout is None):
+            raise ValueError("the rollout role and its agent-loop spec come together: set both or neither")
 
 
 @dataclass(frozen=True)

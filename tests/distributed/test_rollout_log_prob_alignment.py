@@ -15,6 +15,7 @@ from ballast.workers.rollout import RolloutConfig, SamplingConfig, build_backend
 from testkit.engine import spawn_ranks
 from testkit.models import build_tiny_qwen2
 from testkit.prompts import left_padded_prompts
+from testkit.rollout import generate
 
 transformers.utils.logging.disable_progress_bar()
 PROMPTS = [[5, 6, 7, 8], [9], [10, 11], [12, 13, 14, 15, 16, 17], [9], [3, 4, 5]] * 2
@@ -26,7 +27,7 @@ def _eos_for(model_dir):
     cfg = RolloutConfig(model_path=model_dir, backend="hf", device="cpu",
                         sampling=SamplingConfig(max_response_length=12, temperature=TEMPERATURE, seed=3,
                                                 eos_token_ids=()))
-    free = build_backend(cfg).generate(left_padded_prompts(PROMPTS))["responses"]
+    free = generate(build_backend(cfg), left_padded_prompts(PROMPTS))["responses"]
     counts = np.bincount(free[:, 2:8].reshape(-1).numpy())
     return int(np.argmax(counts))
 
@@ -36,7 +37,7 @@ def _worker(rank, world, root, model_dir):
     sampling = SamplingConfig(max_response_length=12, temperature=TEMPERATURE, seed=3, eos_token_ids=(eos,),
                               calculate_log_probs=True)
     backend = build_backend(RolloutConfig(model_path=model_dir, backend="hf", device="cpu", sampling=sampling))
-    out = backend.generate(left_padded_prompts(PROMPTS))
+    out = generate(backend, left_padded_prompts(PROMPTS))
     mask = out["response_mask"].bool()
     lengths = out["response_mask"].sum(-1)
     assert 0 < int((lengths < 12).sum()) < len(PROMPTS), lengths  # some rows stop at EOS, some run on

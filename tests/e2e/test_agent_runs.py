@@ -1,6 +1,5 @@
-"""rollout.mode=async through the whole driver loop: single-turn agent loops train exactly like batched
-rollouts, and tool-agent runs (tools declared in a yaml) report their agent metrics, validation too,
-and run rollout correction (the rollout's log-probs of the sampled tokens equal the actor's). The tiny
+"""Tool-agent runs through the whole driver loop (tools declared in a yaml) report their agent metrics,
+validation too, and run rollout correction (the rollout's log-probs of the sampled tokens equal the actor's). The tiny
 random model writes no tool calls, so tool tokens inside a response are covered below this level:
 tests/unit/agent_loop/test_rollout_correction_alignment.py (no correction reads a masked tool token)
 and tests/distributed/vllm/test_vllm_async.py (multi-turn rollout log-probs equal teacher-forced ones)."""
@@ -11,30 +10,12 @@ import os
 import pytest
 
 
-from testkit.e2e import WITH_ROLLOUT_LOG_PROBS
-
 AGENT_METRICS = ["agent/num_turns/mean", "agent/num_turns/max", "agent/tool_calls/total", "agent/tool_errors/total",
                  "agent/tool_timeouts/total", "agent/tool_latency_s/mean", "agent/stop_reason/answer",
                  "agent/stop_reason/length", "response_length/model_tokens/mean", "response_length/tool_tokens/mean",
                  "agent/tokenization_mismatch/frac"]
 RC_METRICS = ["rollout_corr/kl", "rollout_corr/k3_kl", "rollout_corr/rollout_is_mean",
               "rollout_corr/rollout_rs_masked_fraction", "training/rollout_actor_log_prob_diff/max"]
-SAME = ["critic/score/mean", "response_length/mean", "response_length/max", "actor/pg_loss", "actor/grad_norm",
-        "critic/advantages/max"]
-
-
-def test_single_turn_async_trains_exactly_like_batched_rollouts(session, rollout_log_probs_run):
-    # HF rollouts: two vLLM start-ups would double the cost; vLLM's async == batched is checked per
-    # call in tests/distributed/vllm/test_vllm_async.py (and under TP=2 in test_vllm_tp.py).
-    # The batched run is the e2e tests' shared one (same config, batched rollouts), read at step 2.
-    sync = next(row for row in rollout_log_probs_run["rows"] if row["step"] == 2)
-    with session("async", *WITH_ROLLOUT_LOG_PROBS, "trainer.total_training_steps=2",
-                 "actor_rollout_ref.rollout.mode=async") as trainer:
-        agent = trainer.fit()
-    for key in SAME:  # step 2: same samples after the same first update
-        assert agent[key] == pytest.approx(sync[key], rel=1e-6, abs=1e-7), key
-    assert agent["agent/num_turns/mean"] == 2 and agent["agent/tool_calls/total"] == 0
-    assert agent["training/rollout_actor_log_prob_diff/max"] < 1e-3
 
 
 def test_tool_agent_run_reports_agent_metrics_and_corrects_rollouts(session, tmp_path):

@@ -24,7 +24,7 @@ def left_padded_prompts(token_lists: Sequence[Sequence[int]], width: int | None 
             mask[i, width - len(tokens):] = 1
     fields = {"input_ids": ids, "attention_mask": mask}
     if position_ids:
-        from ballast.workers.rollout.postprocess import default_position_ids
+        from ballast.workers.rollout.prompts import default_position_ids
 
         fields["position_ids"] = default_position_ids(mask)
     return TensorDict(fields, batch_size=[len(token_lists)])

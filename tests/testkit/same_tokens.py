@@ -5,13 +5,13 @@ The fixture was recorded once, from the batched rollout path of the commit it na
 is never regenerated). It holds its own inputs (prompts, sampling calls with their call index, the
 engines' settings, fingerprints of the two tiny models) and what each engine returned: per row the
 response ids, the response mask and the rollout log-probs rounded to 4 decimals. Tests run the same
-calls on the current tree through the generate entry points the rollout worker uses (`entry_points`:
-the one place to follow a change of that API) and compare with `assert_same_tokens`:
+calls on the current tree through the generate path the rollout worker uses (`generate_with`: the one
+place to follow a change of that API) and compare with `assert_same_tokens`:
 
     fixture = load()
     check_model(fixture, "tiny", model_dir)                   # the model itself did not change
     check_engine(fixture, "vllm_tp1", backend)                # nor the engine's settings
-    outs = run_calls(fixture, entry_points(backend, runner)["request"], fixture["prompts"]["tp1"])
+    outs = run_calls(fixture, generate_with(runner), fixture["prompts"]["tp1"])
     for name, out in outs.items():
         assert_same_tokens(fixture["results"]["vllm_tp1"][name], out, f"vllm_tp1/{name}")
 
@@ -95,15 +95,12 @@ def prompts(token_lists):
     return left_padded_prompts(token_lists, position_ids=True)
 
 
-def entry_points(backend, runner, group=None) -> dict:
-    """The rollout worker's generate entry points, as `generate(prompts, sampling, call_index) -> TensorDict`:
-    "batched" (`rollout.mode=sync`) and "request" (agent loops, `rollout.mode=async`); `group`: the TP group."""
+def generate_with(runner):
+    """The rollout worker's generate path as `generate(prompts, sampling, call_index) -> TensorDict`: agent
+    loops (single-turn here) on the request-level core, under the runner's TP group if it has one."""
     from ballast.protocol import Batch
-    from ballast.workers.agent_loop.tp import tp_agent_generate
-    from ballast.workers.rollout import tp_generate
 
-    return {"batched": lambda p, s, i: tp_generate(backend, p, group, s, call_index=i),
-            "request": lambda p, s, i: tp_agent_generate(runner, Batch(p), group, s, call_index=i).tensors}
+    return lambda p, s, i: runner.generate(Batch(p), s, call_index=i).tensors
 
 
 def run_calls(fixture: dict, generate, token_lists) -> dict:

@@ -206,8 +206,6 @@ def check_split_pools(cfg, ov: Overlap) -> None:
                           f"{cfg.data.train_batch_size}: verl's window is then {ov.batches_ahead} x train_batch_size "
                           "prompts, Ballast's would be that many generation batches; set the window to 0 or "
                           "gen_batch_size to train_batch_size")
-    if ov.partial_rollout:
-        check_partial_rollout(cfg)
 
 
 def check_local_updates(cfg, ov: Overlap) -> None:
@@ -221,18 +219,3 @@ def check_local_updates(cfg, ov: Overlap) -> None:
             f"data.train_batch_size={cfg.data.train_batch_size} must equal {SYNC_STEP_KEY}={p} x actor_rollout_ref."
             f"actor.ppo_mini_batch_size={arr.actor.ppo_mini_batch_size} (verl's rule: each of the step's local "
             "updates trains one mini-batch)")
-
-
-def check_partial_rollout(cfg) -> None:
-    """What partial rollouts need: the request-level rollout without tensor parallelism (the turns are
-    interrupted one request at a time)."""
-    r = cfg.actor_rollout_ref.rollout
-    off = f"or set {PARTIAL_KEY}=false (the batches ahead then finish on the weights they started with)"
-    if r.mode != "async":
-        raise ConfigError(f"partial rollouts ({MODE_KEY}=separate_async with {WINDOW_KEY} >= 1) need "
-                          "actor_rollout_ref.rollout.mode=async (request-level rollout: requests are interrupted and "
-                          f"resumed one by one), got mode={r.mode}; {off}")
-    if r.tensor_model_parallel_size != 1:
-        raise ConfigError(f"partial rollouts ({MODE_KEY}=separate_async with {WINDOW_KEY} >= 1) need actor_rollout_ref."
-                          f"rollout.tensor_model_parallel_size=1, got {r.tensor_model_parallel_size} (a TP group "
-                          f"cannot yet switch weights mid-generation); {off}")

@@ -67,9 +67,6 @@ def _check_choices(cfg: BallastConfig) -> None:
         if optim.warmup_style is not None:
             # warmup_style overrides it, so the engine never sees (and checks) this one.
             one_of(f"{prefix}.lr_scheduler_type", optim.lr_scheduler_type, LR_SCHEDULES)
-    if arr.rollout.multi_turn.enable and arr.rollout.mode != "async":
-        raise ConfigError("actor_rollout_ref.rollout.multi_turn.enable=True needs actor_rollout_ref.rollout.mode=async "
-                          "(tool-calling conversations run as agent loops on request-level rollout)")
     one_of("trainer.balance_workload", t.balance_workload, WORKLOAD_NAMES + BALANCE_WORKLOADS)
     modes = values(ResumeMode)
     if t.resume_mode not in modes and not os.path.isdir(os.path.expanduser(t.resume_mode)):

@@ -185,12 +185,10 @@ def weight_sync_spec(cfg: BallastConfig, lora: LoraSpec) -> WeightSyncSpec:
                           probe_max_tokens=min(PROBE_TOKENS, context - 1))
 
 
-def agent_spec(cfg: BallastConfig) -> Optional[AgentLoopSpec]:
-    """The agent loops' spec for rollout.mode=async (None in sync mode). Loads the declared tools once,
-    so a bad tool yaml or an unknown tool class fails at start-up."""
+def agent_spec(cfg: BallastConfig) -> AgentLoopSpec:
+    """The agent loops' spec: every rollout call runs them, in either rollout.mode (sync and async mean
+    the same request-level rollout)."""
     r = cfg.actor_rollout_ref.rollout
-    if r.mode != "async":
-        return None
     mt = r.multi_turn
     prefix = f"{ROLLOUT}.multi_turn"
     keys = {k: f"{prefix}.{k}" for k in ("max_assistant_turns", "max_user_turns", "max_parallel_calls",
@@ -207,9 +205,9 @@ def agent_spec(cfg: BallastConfig) -> Optional[AgentLoopSpec]:
     model = cfg.actor_rollout_ref.model
     keys = {"default_agent_loop": f"{ROLLOUT}.agent.default_agent_loop",
             "max_concurrent_conversations": f"{ROLLOUT}.agent.max_concurrent_conversations",
-            "prompt_length": f"{ROLLOUT}.prompt_length", "response_length": f"{ROLLOUT}.response_length"}
+            "prompt_length": f"{ROLLOUT}.prompt_length"}
     return build(keys, AgentLoopSpec, tokenizer_path=model.tokenizer_path or model.path, prompt_length=r.prompt_length,
-                 response_length=r.response_length, multi_turn=multi_turn, default_agent_loop=default,
+                 multi_turn=multi_turn, default_agent_loop=default,
                  agent_loop_config_path=a.agent_loop_config_path,
                  max_concurrent_conversations=a.max_concurrent_conversations)
 
@@ -271,13 +269,7 @@ def actor_rollout_ref_spec(cfg: BallastConfig, sizes: DerivedSizes, schedule_ste
     _, val_sampling = sampling_configs(cfg)
     rollout = rollout_config(cfg, actor_engine.lora)
     agent = agent_spec(cfg)
-    if agent is not None:
-        check_agent_files(agent)
-    if agent is not None and rollout is not None and rollout.max_lora_rank is not None:
-        # agent loops submit requests to the engine themselves, without the adapter's name: they would
-        # sample from the base model while the check probes the served adapter
-        raise ConfigError(f"{ROLLOUT}.mode=async with a LoRA actor needs actor_rollout_ref.model.lora.merge=true "
-                          "(the agent loops' requests do not name the served adapter)")
+    check_agent_files(agent)
     return ActorRolloutRefSpec(
         actor=actor_engine, actor_train=train, rollout=rollout,
         rollout_val_sampling=val_sampling, ref=ref_engine, temperature=temperature,

@@ -116,8 +116,7 @@ def check_lora_targets(plan) -> None:
 def unknown_agent_name(plan, agent_names: Dict[str, str]) -> Optional[str]:
     """None when every `agent_name` of the data (`agent_names`: name -> the first row naming it) is an
     agent loop of the run, else what is wrong, naming the file and row: found over all rows before any
-    worker starts, not when the row is drawn. A run without agent loops (`rollout.mode=sync`) reads no
-    `agent_name`."""
+    worker starts, not when the row is drawn. A trainer pool of its own (no rollout) reads none."""
     from ballast.trainer.run.builders import agent_loop_names
 
     specs = plan.specs

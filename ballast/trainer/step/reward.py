@@ -16,8 +16,8 @@ the config refuses that combination instead).
 
 The function's `extra_info` is the row's own plus verl's rollout keys (`num_turns`, `tool_rewards`,
 `turn_scores`, `rollout_reward_scores`; `ballast.data.rewards.score_extra_info`), read from the agent
-loop's columns; batched rollouts (no agent columns) are single generated answers: 2 turns, no tool
-rewards. A row whose own extra_info has one of those keys gets the rollout's value instead, as in
+loop's columns; a batch without them (built by hand) holds single generated answers: 2 turns, no
+tool rewards. A row whose own extra_info has one of those keys gets the rollout's value instead, as in
 verl, with a warning once per key.
 
 `reward.timeout_s` bounds one call: the function then runs on a helper thread and a call that does
@@ -206,7 +206,7 @@ class RewardManager:
         if "agent_num_turns" in batch:
             check_fields(batch, AGENT_TURN_COLUMNS)
             turns, tool_rewards, turn_scores = (batch[k] for k in AGENT_TURN_COLUMNS)
-        else:  # batched rollouts: one generated answer per prompt
+        else:  # no agent columns: one generated answer per prompt
             turns, tool_rewards, turn_scores = [SINGLE_ANSWER_NUM_TURNS] * n, [()] * n, [()] * n
         for i, info in enumerate(own):
             for key in set(info or ()) & set(ROLLOUT_EXTRA_INFO_KEYS) - self._warned_clashes:

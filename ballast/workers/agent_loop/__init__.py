@@ -1,11 +1,11 @@
-"""Agent loops on request-level asynchronous rollout (`actor_rollout_ref.rollout.mode=async`).
+"""Agent loops on request-level rollout: how every rollout call generates (`rollout.mode` sync or async).
 
-    runner = AgentLoopRunner(backend, AgentLoopSpec(tokenizer_path=..., prompt_length=..., response_length=...,
+    runner = AgentLoopRunner(backend, AgentLoopSpec(tokenizer_path=..., prompt_length=...,
                                                     multi_turn=MultiTurnConfig(tool_config_path="tools.yaml")))
     result = runner.generate(prompts_batch, sampling, call_index)    # output contract + agent columns
 
-Loops: `single_turn_agent` (the batched rollout, token for token) and `tool_agent` (hermes tool
-calls over several turns); more with `@register(name)` or `agent_loop_config_path`. See `base.py`
+Loops: `single_turn_agent` (the batched rollout, token for token: the default) and `tool_agent`
+(hermes tool calls over several turns); more with `@register(name)` or `agent_loop_config_path`. See `base.py`
 for the interface, `chat.py` for how sequences stay token-exact, `output.py` for the layout and
 `metrics.py` for the step metrics.
 """
@@ -17,7 +17,8 @@ from ballast.workers.agent_loop.base import (
 from ballast.workers.agent_loop.chat import ChatFormat, TemplateError
 from ballast.workers.agent_loop.config import AgentLoopSpec, MultiTurnConfig
 from ballast.workers.agent_loop.loops import SingleTurnAgentLoop, ToolAgentLoop
-from ballast.workers.agent_loop.runner import AgentLoopRunner, AgentRollout
+from ballast.workers.agent_loop.output import AgentRollout
+from ballast.workers.agent_loop.runner import AgentLoopRunner
 
 __all__ = [
     "STOP_REASONS", "AgentContext", "AgentLoop", "AgentLoopOutput", "AgentLoopRunner", "AgentLoopSpec", "AgentRollout",

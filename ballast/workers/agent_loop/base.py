@@ -128,11 +128,11 @@ class AgentContext:
     """What every loop of a call shares: the engine, the chat format, the tools and the budgets."""
 
     engine: Any                           # `AsyncEngine`: await engine.generate(TurnRequest)
-    chat: ChatFormat | None
+    chat: ChatFormat | None               # None: the call's loops render no messages (single_turn_agent)
     tools: ToolExecutor
     multi_turn: MultiTurnConfig
     sampling: SamplingConfig
-    prompt_length: int
+    prompt_length: int | None             # None: no prompt budget (the call's longest prompt)
     response_length: int
     stop_ids: tuple[int, ...] = ()
 

@@ -60,18 +60,19 @@ class MultiTurnConfig:
 
 @dataclass(frozen=True)
 class AgentLoopSpec:
-    """Everything a rollout worker's agent loops need (rollout.mode=async).
+    """Everything a rollout worker's agent loops need (every rollout call runs them).
 
-    default_agent_loop: the loop of samples without an `agent_name` ("single_turn_agent" or
-    "tool_agent", or a name from `agent_loop_config_path`, a yaml list of `{name, _target_}` entries
-    naming `AgentLoop` subclasses). prompt_length / response_length: token budgets (a conversation's
-    inserted and sampled tokens together stay within response_length). max_concurrent_conversations:
-    conversations in flight per worker (None: all of the call's).
+    default_agent_loop: the loop of samples without an `agent_name` ("single_turn_agent", the batched
+    rollout, or "tool_agent", or a name from `agent_loop_config_path`, a yaml list of `{name, _target_}`
+    entries naming `AgentLoop` subclasses). tokenizer_path: the tokenizer and chat template of loops that
+    render messages (None: only loops that need neither, such as single_turn_agent). prompt_length: the
+    prompt budget in tokens (None: the longest prompt of the call); a conversation's inserted and sampled
+    tokens stay within the call's `max_response_length`. max_concurrent_conversations: conversations in
+    flight per worker (None: all of the call's).
     """
 
-    tokenizer_path: str
-    prompt_length: int
-    response_length: int
+    tokenizer_path: Optional[str] = None
+    prompt_length: Optional[int] = None
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     default_agent_loop: str = "single_turn_agent"
     agent_loop_config_path: Optional[str] = None
@@ -79,10 +80,7 @@ class AgentLoopSpec:
     max_concurrent_conversations: Optional[int] = None
 
     def __post_init__(self) -> None:
-        for key in ("prompt_length", "response_length"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise SpecError(key, f"{key}={value!r} must be an int >= 1")
+        _positive_int_or_none("prompt_length", self.prompt_length)
         _positive_int_or_none("max_concurrent_conversations", self.max_concurrent_conversations)
         if not isinstance(self.default_agent_loop, str) or not self.default_agent_loop:
             raise SpecError("default_agent_loop", f"default_agent_loop={self.default_agent_loop!r} must be a name")

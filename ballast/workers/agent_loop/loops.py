@@ -55,7 +55,7 @@ class ToolAgentLoop(AgentLoop):
         messages = [dict(m) for m in sample.messages]
         prompt = chat.prompt_ids(messages, schemas)
         info = dict.fromkeys(_COUNTERS, 0.0)
-        if len(prompt) > ctx.prompt_length:  # the tool schemas made it longer than the data's check allowed
+        if ctx.prompt_length is not None and len(prompt) > ctx.prompt_length:  # the tool schemas made it longer than the data's check allowed
             logger.warning("row %d: the prompt with tool schemas has %d tokens > rollout.prompt_length=%d; "
                            "keeping the last %d", sample.row, len(prompt), ctx.prompt_length, ctx.prompt_length)
             prompt, info["prompt_truncated"] = prompt[-ctx.prompt_length:], 1.0

@@ -10,7 +10,7 @@
     agent/tokenization_mismatch/frac      samples whose sequence differs from the template rendering
     response_length/model_tokens/mean, response_length/tool_tokens/mean   the response split into
                                           sampled tokens and inserted (tool/user/template) tokens
-Nothing is returned for a batch without agent columns (rollout.mode=sync).
+Nothing is returned for a batch without agent columns (one built by hand).
 """
 
 from __future__ import annotations

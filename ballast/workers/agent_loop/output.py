@@ -10,14 +10,16 @@ order) RIGHT-padded to width R.
   * `rollout_versions` (partial rollouts only): the weight version that sampled each response token,
     -1 on tokens the model did not sample and on padding.
 P is the input's width when every conversation kept the dataset's prompt width (so a single-turn
-call returns exactly what batched generation returns, prompt columns copied from the input), else
-`prompt_length` (the same on every data-parallel rank, so their outputs concatenate). R is the
-response budget when `pad_to_max_response_length`, else the longest response.
+call returns exactly what batched generation returned, prompt columns copied from the input), else
+`prompt_length` (the same on every data-parallel rank, so their outputs concatenate; None: the longest
+prompt). R is the response budget when `pad_to_max_response_length`, else the longest response.
+`AgentRollout` is what a call hands back: these tensors and the per-sample columns.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -32,14 +34,27 @@ INFO_KEYS = ("model_tokens", "tool_tokens", "assistant_turns", "tool_calls", "to
              "tool_latency_max_s", "tokenization_mismatch", "prompt_truncated")
 
 
+@dataclass
+class AgentRollout:
+    """One rollout call's result: the output contract, the per-sample columns, the engine steps taken."""
+
+    tensors: TensorDict
+    columns: dict[str, np.ndarray]
+    engine_steps: int
+
+    def rows(self, start: int, stop: int) -> "AgentRollout":
+        return AgentRollout(self.tensors[start:stop].clone(), {k: v[start:stop] for k, v in self.columns.items()},
+                            self.engine_steps)
+
+
 def assemble(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-             outputs: Sequence[AgentLoopOutput], *, pad_token_id: int, prompt_length: int,
+             outputs: Sequence[AgentLoopOutput], *, pad_token_id: int, prompt_length: int | None,
              response_length: int | None, with_log_probs: bool) -> TensorDict:
     rows, width = input_ids.shape
     if len(outputs) != rows:
         raise ValueError(f"{len(outputs)} conversations for {rows} prompt rows")
     longest_prompt = max((len(o.prompt_ids) for o in outputs), default=0)
-    prompt_width = width if longest_prompt <= width else max(prompt_length, longest_prompt)
+    prompt_width = width if longest_prompt <= width else max(prompt_length or 0, longest_prompt)
     longest = max((len(o.response_ids) for o in outputs), default=0)
     resp_width = longest if response_length is None else response_length
     if longest > resp_width:

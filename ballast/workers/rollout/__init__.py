@@ -1,10 +1,11 @@
-"""Rollout backends (vLLM, HF), their shared output contract, TP gather/split and weight sync.
+"""Rollout backends (vLLM, HF), their request-level cores and weight sync.
 
 Nothing here imports Ray: the rollout worker (a Ray actor) wraps these. vLLM is imported only when
-a `VLLMBackend` is built, so the HF backend and the pure functions work without it.
+a `VLLMBackend` is built, so the HF backend and the pure functions work without it. Every generate
+call runs agent loops over a backend's core (`ballast.workers.agent_loop`):
 
     backend = build_backend(RolloutConfig(model_path=..., backend="vllm", sampling=SamplingConfig(...)))
-    out = tp_generate(backend, prompts, tp_group)      # or backend.generate(prompts) without TP
+    out = AgentLoopRunner(backend).generate(Batch(prompts)).tensors   # single-turn: the batched rollout
     load_weights(backend, actor_engine.iter_full_state_dict())
 """
 
@@ -13,8 +14,7 @@ from __future__ import annotations
 import torch
 
 from .base import RolloutBackend, RolloutConfig, SamplingConfig
-from .postprocess import build_rollout_output, prompt_token_lists
-from .tp import gather_prompts, new_tp_group, split_rank_output, tp_generate, tp_group_ranks
+from .prompts import prompt_token_lists
 from .weight_sync import iter_full_tensors, load_weights
 
 
@@ -36,13 +36,7 @@ __all__ = [
     "RolloutConfig",
     "SamplingConfig",
     "build_backend",
-    "build_rollout_output",
-    "gather_prompts",
     "iter_full_tensors",
     "load_weights",
-    "new_tp_group",
     "prompt_token_lists",
-    "split_rank_output",
-    "tp_generate",
-    "tp_group_ranks",
 ]

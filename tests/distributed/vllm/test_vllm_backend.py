@@ -10,7 +10,7 @@ import torch.distributed as dist
 from ballast.protocol.fields import check_fields
 from ballast.workers.rollout import RolloutConfig, SamplingConfig, build_backend, iter_full_tensors, load_weights
 from testkit.prompts import left_padded_prompts
-from testkit.rollout import filtered_log_probs
+from testkit.rollout import filtered_log_probs, generate
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
@@ -49,13 +49,13 @@ def hf(vllm_tiny_model_dir):
 
 def test_contract_and_greedy_agreement_with_hf(engine, hf):
     sampling = greedy(calculate_log_probs=True)
-    out = engine.generate(make_prompts(), sampling)
+    out = generate(engine, make_prompts(), sampling)
     sizes = check_fields(out, ["prompts", "responses", "response_mask", "input_ids", "attention_mask",
                                "position_ids", "rollout_log_probs"])
     assert sizes == {"B": len(PROMPTS), "P": 6, "R": RESPONSE_TOKENS, "P+R": 6 + RESPONSE_TOKENS}
     assert torch.equal(out["prompts"], make_prompts()["input_ids"])
     assert (out["response_mask"] == 1).all()
-    ref = hf.generate(make_prompts(), sampling)
+    ref = generate(hf, make_prompts(), sampling)
     # fp32 on both sides and a peaked random model: every greedy token agrees (observed 72/72).
     assert torch.equal(out["responses"], ref["responses"])
     assert torch.equal(out["position_ids"], ref["position_ids"])
@@ -64,11 +64,11 @@ def test_contract_and_greedy_agreement_with_hf(engine, hf):
 
 
 def test_eos_and_stop_ids_cut_and_mask(engine):
-    free = engine.generate(make_prompts(), greedy())
+    free = generate(engine, make_prompts(), greedy())
     row0 = free["responses"][0].tolist()
     stop_token = row0[4]
     for sampling in (greedy(eos_token_ids=(stop_token,)), greedy(stop_token_ids=(stop_token,))):
-        out = engine.generate(make_prompts(), sampling)
+        out = generate(engine, make_prompts(), sampling)
         for i in range(len(PROMPTS)):
             full = free["responses"][i].tolist()
             n = full.index(stop_token) + 1 if stop_token in full else RESPONSE_TOKENS
@@ -77,18 +77,18 @@ def test_eos_and_stop_ids_cut_and_mask(engine):
             assert (out["responses"][i, n:] == engine.pad_token_id).all()
             assert out["attention_mask"][i, -RESPONSE_TOKENS:].tolist() == out["response_mask"][i].tolist()
     # The longest-response width when not padding to the maximum.
-    short = engine.generate(make_prompts([PROMPTS[0]]), greedy(eos_token_ids=(row0[0],),
+    short = generate(engine, make_prompts([PROMPTS[0]]), greedy(eos_token_ids=(row0[0],),
                                                                pad_to_max_response_length=False))
     assert short["responses"].tolist() == [[row0[0]]]
-    ignored = engine.generate(make_prompts(), greedy(eos_token_ids=(stop_token,), ignore_eos=True))
+    ignored = generate(engine, make_prompts(), greedy(eos_token_ids=(stop_token,), ignore_eos=True))
     assert torch.equal(ignored["responses"], free["responses"])
 
 
 def test_sampled_log_probs_match_the_filtered_distribution(engine, hf):
     sampling = SamplingConfig(max_response_length=8, temperature=0.8, top_k=30, top_p=0.9, seed=3,
                               eos_token_ids=(), calculate_log_probs=True)
-    first = engine.generate(make_prompts(), sampling)
-    second = engine.generate(make_prompts(), sampling)
+    first = generate(engine, make_prompts(), sampling)
+    second = generate(engine, make_prompts(), sampling)
     assert not torch.equal(first["responses"], second["responses"])  # call index enters the seeds
     assert not torch.equal(first["responses"][1], first["responses"][4])  # per-row seeds: n > 1 differs
     for i, prompt in enumerate(PROMPTS):
@@ -98,10 +98,10 @@ def test_sampled_log_probs_match_the_filtered_distribution(engine, hf):
 
 def test_bad_requests_are_rejected(engine):
     with pytest.raises(ValueError, match="row 0: 120 prompt tokens"):
-        engine.generate(make_prompts([list(range(2, 122))]), greedy())
+        generate(engine, make_prompts([list(range(2, 122))]), greedy())
     with pytest.raises(ValueError, match="row 1 holds token id 300"):
-        engine.generate(make_prompts([[3], [300]]), greedy())
-    empty = engine.generate(make_prompts([[3]])[:0], greedy())
+        generate(engine, make_prompts([[3], [300]]), greedy())
+    empty = generate(engine, make_prompts([[3]])[:0], greedy())
     assert empty["responses"].shape == (0, RESPONSE_TOKENS)
 
 
@@ -129,8 +129,8 @@ def test_weight_sync_matches_the_updated_model(engine, hf):
         assert (after - target).abs().max() <= 1e-4
         # Generation uses the new weights too: greedy tokens follow the updated model.
         hf_updated = build_backend(hf.config, model=updated)
-        out = engine.generate(make_prompts(), greedy())
-        assert torch.equal(out["responses"], hf_updated.generate(make_prompts(), greedy())["responses"])
+        out = generate(engine, make_prompts(), greedy())
+        assert torch.equal(out["responses"], generate(hf_updated, make_prompts(), greedy())["responses"])
     finally:
         load_weights(engine, iter_full_tensors(hf.model))
     assert torch.allclose(engine.prompt_log_probs([seq])[0], hf_lp, atol=1e-4)

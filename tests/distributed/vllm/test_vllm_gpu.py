@@ -15,6 +15,7 @@ import torch
 from tensordict import TensorDict
 
 from ballast.workers.rollout import RolloutConfig, SamplingConfig, build_backend, iter_full_tensors, load_weights
+from testkit.rollout import generate
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
@@ -71,7 +72,7 @@ def test_gpu_sleep_sync_wake_serves_the_updated_model(gpu_engine, vllm_tiny_mode
     gpu_engine.sleep()
     assert torch.cuda.mem_get_info()[0] > free_awake  # the KV cache (and weights) were released
     with pytest.raises(RuntimeError, match="asleep"):
-        gpu_engine.generate(TensorDict(input_ids=torch.tensor([[5]]), attention_mask=torch.tensor([[1]]),
+        generate(gpu_engine, TensorDict(input_ids=torch.tensor([[5]]), attention_mask=torch.tensor([[1]]),
                                        batch_size=[1]))
     count = load_weights(gpu_engine, iter_full_tensors(updated))
     gpu_engine.wake_up()

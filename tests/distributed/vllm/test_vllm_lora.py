@@ -12,6 +12,7 @@ from ballast.workers.rollout.vllm_lora import VLLM_LORA_RANKS
 from ballast.workers.sync_check import TOLERANCE_FLOOR, SyncCheck, WeightSyncError
 from testkit.lora import trained_adapter
 from testkit.prompts import left_padded_prompts
+from testkit.rollout import generate
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
@@ -79,7 +80,7 @@ def test_each_adapter_version_is_what_vllm_serves(engine, vllm_tiny_model_dir):
     engine.load_adapter(tensors.items(), adapter.config_dict())
     hf.load_adapter(tensors.items(), adapter.config_dict())
     prompts = left_padded_prompts(PROMPTS)
-    assert torch.equal(engine.generate(prompts)["responses"], hf.generate(prompts)["responses"])
+    assert torch.equal(generate(engine, prompts)["responses"], generate(hf, prompts)["responses"])
 
 
 def test_a_module_vllm_cannot_adapt_is_an_error(engine, vllm_tiny_model_dir):

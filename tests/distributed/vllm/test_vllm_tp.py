@@ -1,9 +1,8 @@
 """A real TP=2 vLLM rollout on CPU: two processes (gloo world, external_launcher engine), each with
-its own prompts, each getting back exactly its own rows; weight sync from FSDP2 under TP. And async
-rollout under the same engine: the leader runs every conversation of the group, the follower replays
-its engine steps; single-turn equals batched TP generation token for token, multi-turn log-probs line
-up with the final sequences, and a leader-side failure raises on both ranks. Both entry points sample
-what the batched TP=2 rollout recorded (tests/fixtures/same_tokens.json).
+its own prompts; the leader runs every conversation of the group, the follower replays its engine
+steps, and each rank gets back exactly its own rows, as generating them alone gives; weight sync from
+FSDP2 under TP; multi-turn log-probs line up with the final sequences, and a leader-side failure raises
+on both ranks. The rollout samples what the batched TP=2 rollout recorded (tests/fixtures/same_tokens.json).
 
 The tests assert on one launch of tp2_rollout_worker.py (module fixture `tp2_results`): a TP=2 vLLM
 start-up is ~25 s on 2 cores, and what each test checks is a separate step of that one run.
@@ -98,8 +97,6 @@ def test_tp2_rollout_each_rank_gets_its_own_slice(tp2_results):
     for rank, res in enumerate(results):
         assert res["engine_tp_ranks"] == res["group_ranks"] == [0, 1]
         assert res["default_group_alive_after_generate"]
-    # Both ranks fed the engine the identical gathered batch (3 + 5 rows).
-    assert results[0]["gathered_digest"] == results[1]["gathered_digest"]
 
     for rank, res in enumerate(results):
         out, mine, alone = res["output"], res["input"], res["alone"][rank]
@@ -131,23 +128,20 @@ def test_tp2_rollout_each_rank_gets_its_own_slice(tp2_results):
 
 def test_tp2_samples_the_tokens_the_batched_rollout_recorded(tp2_results, tp2_model_dir):
     """tests/fixtures/same_tokens.json: what the batched TP=2 rollout recorded on each rank
-    (sampled, filtered, greedy), through each generate entry point of the worker."""
+    (sampled, filtered, greedy), through the group's rollout."""
     fixture = same_tokens.load()
     same_tokens.check_model(fixture, "tp2", tp2_model_dir)
     for rank, res in enumerate(tp2_results[0]):
         same_tokens.check_engine(fixture, "vllm_tp2", types.SimpleNamespace(**res["engine"]))
-        assert sorted(res["same_tokens"]) == ["batched", "request"]
-        for path, calls in res["same_tokens"].items():
-            for name, out in calls.items():
-                same_tokens.assert_same_tokens(fixture["results"]["vllm_tp2"][str(rank)][name], out,
-                                               f"vllm_tp2/rank{rank}/{path}/{name}")
+        assert sorted(res["same_tokens"]) == sorted(fixture["calls"])
+        for name, out in res["same_tokens"].items():
+            same_tokens.assert_same_tokens(fixture["results"]["vllm_tp2"][str(rank)][name], out,
+                                           f"vllm_tp2/rank{rank}/{name}")
 
 
 def test_tp2_async_rollout(tp2_results):
     results = [res["async"] for res in tp2_results[0]]
     for rank, res in enumerate(results):
-        for key, value in res["batched"].items():  # single-turn async == batched TP, token for token
-            assert torch.equal(res["async"][key], value), (rank, key)
         multi = res["multi"]
         assert res["multi_turns"] == [5] * len(res["input"]["input_ids"])
         for row, teacher in enumerate(res["teacher"]):

@@ -2,19 +2,18 @@
 One engine start serves every test of that file (a TP=2 vLLM start-up costs ~25 s on 2 cores).
 
 Each rank: gloo world first, then the TP engine (external_launcher), then
-  1. tp_generate on this rank's own prompts (counts and widths differ between ranks);
-  2. references: the same engine on each rank's prompts alone (both ranks, in lockstep);
-  3. a sampled generate of the same batch on both ranks (the ranks must draw the same tokens);
-  3b. the calls of tests/fixtures/same_tokens.json on this rank's recorded prompts, through both generate
-     entry points of the worker (batched `tp_generate`, request-level `tp_agent_generate`), before any
-     weight sync: the parent compares them with what the batched TP=2 rollout recorded;
+  1. the TP group's rollout (an AgentLoopRunner with the group: the leader runs the conversations, the
+     follower replays its engine steps) on this rank's own prompts (counts and widths differ between ranks);
+  2. references: the same engine on each rank's prompts alone (both ranks, in lockstep, no group);
+  3. a sampled call on the same batch on both ranks (the ranks must draw the same tokens);
+  3b. the calls of tests/fixtures/same_tokens.json on this rank's recorded prompts, through the group's
+     rollout, before any weight sync: the parent compares them with what the batched TP=2 rollout recorded;
   4. weight sync from an FSDP2-sharded copy of the model after one AdamW step, comparing vLLM's
      prompt log-probs with the FSDP model's own forward;
-  5. async rollout (an AgentLoopRunner on the synced engine): single-turn async (sampled) on this
-     rank's own prompts against batched `tp_generate` on the same; a multi-turn loop (sampled turns
-     with inserted tokens between them) and the engine's teacher-forced log-probs of every resulting
-     sequence of the group (in lockstep); last, a call the leader cannot run (an unknown agent_name on
-     its rows only): both ranks must raise.
+  5. agent loops on the synced engine: a multi-turn loop (sampled turns with inserted tokens between
+     them) and the engine's teacher-forced log-probs of every resulting sequence of the group (in
+     lockstep); last, a call the leader cannot run (an unknown agent_name on its rows only): both ranks
+     must raise.
 Results go to <out_dir>/rank<k>.pt ("async" holds step 5's, "same_tokens" step 3b's); the parent tests
 assert on them.
 """
@@ -31,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from testkit import same_tokens  # noqa: E402
 from testkit.agent import register_inserting_loop  # noqa: E402
 from testkit.prompts import left_padded_prompts  # noqa: E402
+from testkit.rollout import generate  # noqa: E402
 
 # Per-rank prompts: rank 0 has 3 short prompts, rank 1 has 5 wider ones; [9] appears on both.
 PROMPTS = {
@@ -75,34 +75,29 @@ def fsdp_weight_sync(backend, model_dir, rank):
             "num_state": len(model.state_dict())}
 
 
-def same_tokens_calls(backend, group, model_dir, rank):
-    """Step 3b: every recorded call on this rank's recorded prompts, per entry point."""
-    from ballast.workers.agent_loop import AgentLoopRunner, AgentLoopSpec
+def same_tokens_calls(backend, group, rank):
+    """Step 3b: every recorded call on this rank's recorded prompts, through the group's rollout."""
+    from ballast.workers.agent_loop import AgentLoopRunner
 
     fixture = same_tokens.load()
-    runner = AgentLoopRunner(backend, AgentLoopSpec(tokenizer_path=model_dir, prompt_length=8, response_length=16))
+    generate_in_group = same_tokens.generate_with(AgentLoopRunner(backend, group=group))
     mine = fixture["prompts"]["tp2"][str(rank)]
-    return {path: {name: out.to_dict() for name, out in same_tokens.run_calls(fixture, generate, mine).items()}
-            for path, generate in same_tokens.entry_points(backend, runner, group).items()}
+    return {name: out.to_dict() for name, out in same_tokens.run_calls(fixture, generate_in_group, mine).items()}
 
 
 def async_rollout(backend, group, model_dir, rank):
     """Step 5: async agent loops on the TP engine (see the module docstring)."""
     from ballast.protocol import Batch
     from ballast.workers.agent_loop import AgentLoopRunner, AgentLoopSpec
-    from ballast.workers.agent_loop.tp import tp_agent_generate
-    from ballast.workers.rollout import SamplingConfig, tp_generate
+    from ballast.workers.rollout import SamplingConfig
 
     sampling = SamplingConfig(max_response_length=ASYNC_RESPONSE_TOKENS, seed=5, calculate_log_probs=True)
     register_inserting_loop()
-    runner = AgentLoopRunner(backend, AgentLoopSpec(tokenizer_path=model_dir, prompt_length=8,
-                                                    response_length=ASYNC_RESPONSE_TOKENS))
+    runner = AgentLoopRunner(backend, AgentLoopSpec(tokenizer_path=model_dir, prompt_length=8), group)
     prompts = left_padded_prompts(ASYNC_PROMPTS[rank], position_ids=True)
     result = {"input": prompts.to_dict()}
-    result["async"] = tp_agent_generate(runner, Batch(prompts), group, sampling, call_index=4).tensors.to_dict()
-    result["batched"] = tp_generate(backend, prompts, group, sampling, call_index=4).to_dict()
     multi = Batch(prompts, non_tensors={"agent_name": ["test_inserting_agent"] * len(ASYNC_PROMPTS[rank])})
-    out = tp_agent_generate(runner, multi, group, dataclasses.replace(sampling, ignore_eos=True), call_index=7)
+    out = runner.generate(multi, dataclasses.replace(sampling, ignore_eos=True), call_index=7)
     result["multi"] = out.tensors.to_dict()
     result["multi_turns"] = out.columns["agent_num_turns"].tolist()
     mine = [out.tensors["input_ids"][i][out.tensors["attention_mask"][i].bool()].tolist()
@@ -114,7 +109,7 @@ def async_rollout(backend, group, model_dir, rank):
     bad = Batch(prompts, non_tensors={"agent_name": ["no_such_loop" if rank == 0 else "single_turn_agent"]
                                       * len(ASYNC_PROMPTS[rank])})
     try:
-        tp_agent_generate(runner, bad, group, sampling, call_index=9)
+        runner.generate(bad, sampling, call_index=9)
         result["error"] = None
     except (ValueError, RuntimeError) as err:
         result["error"] = f"{type(err).__name__}: {err}"
@@ -123,7 +118,10 @@ def async_rollout(backend, group, model_dir, rank):
 
 
 def main(model_dir: str, out_dir: str) -> None:
-    from ballast.workers.rollout import RolloutConfig, SamplingConfig, build_backend, new_tp_group, tp_generate
+    from ballast.protocol import Batch
+    from ballast.workers.agent_loop import AgentLoopRunner
+    from ballast.workers.agent_loop.tp import new_tp_group
+    from ballast.workers.rollout import RolloutConfig, SamplingConfig, build_backend
 
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo")
@@ -139,14 +137,13 @@ def main(model_dir: str, out_dir: str) -> None:
 
     mine = make_prompts(PROMPTS[rank], extra_width=rank)  # the widths differ between ranks
     result["input"] = mine
-    result["output"] = tp_generate(backend, mine, group, greedy).to_dict()
-    result["gathered_digest"] = backend.last_input_digest
-    result["alone"] = [backend.generate(make_prompts(PROMPTS[r]), greedy).to_dict() for r in (0, 1)]
+    result["output"] = AgentLoopRunner(backend, group=group).generate(Batch(mine), greedy).tensors.to_dict()
+    result["alone"] = [generate(backend, make_prompts(PROMPTS[r]), greedy).to_dict() for r in (0, 1)]
 
     sampled = SamplingConfig(max_response_length=RESPONSE_TOKENS, temperature=1.0, seed=7, eos_token_ids=(),
                              calculate_log_probs=True)
-    result["sampled"] = backend.generate(make_prompts(PROMPTS[0] + PROMPTS[1]), sampled).to_dict()
-    result["same_tokens"] = same_tokens_calls(backend, group, model_dir, rank)
+    result["sampled"] = generate(backend, make_prompts(PROMPTS[0] + PROMPTS[1]), sampled).to_dict()
+    result["same_tokens"] = same_tokens_calls(backend, group, rank)
     result["engine"] = {"config": backend.config, "eos_token_ids": backend.eos_token_ids,
                         "pad_token_id": backend.pad_token_id}
     result["weight_sync"] = fsdp_weight_sync(backend, model_dir, rank)

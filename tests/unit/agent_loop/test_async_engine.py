@@ -1,7 +1,7 @@
-"""The request-level engine: seeds, admission order, concurrency, failures, and HF single-turn exactness."""
+"""The request-level engine: seeds, admission order, concurrency, failures, and the HF tokens recorded from
+the batched rollout."""
 
 import asyncio
-import threading
 import time
 
 import pytest
@@ -10,7 +10,7 @@ import torch
 from ballast.protocol import Batch
 from ballast.workers.agent_loop import AgentLoopRunner, AgentLoopSpec
 from ballast.workers.rollout import RolloutConfig, SamplingConfig, build_backend
-from ballast.workers.rollout.async_engine import AsyncEngine, HFCore, TurnRequest, request_seed
+from ballast.workers.rollout.async_engine import AsyncEngine, TurnRequest, request_seed
 from ballast.workers.rollout.base import sampling_seed
 from testkit import same_tokens
 from testkit.agent import FakeCore
@@ -28,16 +28,33 @@ def test_turn_zero_seed_is_the_batched_seed_and_later_turns_differ():
 
 def test_requests_submitted_together_are_added_in_order_before_the_first_step():
     core = FakeCore()
-    seen = []
 
     async def main():
-        async with AsyncEngine(core, on_step=lambda adds: seen.append([rid for rid, _ in adds])) as engine:
+        async with AsyncEngine(core) as engine:
             return await asyncio.gather(*(engine.generate(TurnRequest([i + 1], 4)) for i in range(5)))
 
     outs = asyncio.run(main())
     assert [o.token_ids for o in outs] == [(7, 8)] * 5
-    assert core.log[:6] == [("add", f"t{i}") for i in range(5)] + [("step", 5)]
-    assert seen[0] == [f"t{i}" for i in range(5)]
+    assert core.log == [("add", f"t{i}") for i in range(5)] + [("step", 5)]
+
+
+def test_a_finished_turns_next_turn_joins_the_following_step():
+    """The engine yields between steps: a conversation woken by a step submits its next turn before the
+    next one, so a two-turn conversation beside a slow one takes consecutive steps."""
+    core = FakeCore(steps_of=lambda r: 4 if r.prompt_ids == (9,) else 1)
+
+    async def two_turns(engine):
+        await engine.generate(TurnRequest([1], 4))
+        await engine.generate(TurnRequest([2], 4))
+
+    async def main():
+        async with AsyncEngine(core) as engine:
+            await asyncio.gather(engine.generate(TurnRequest([9], 4)), two_turns(engine))
+            return engine.steps
+
+    assert asyncio.run(main()) == 4
+    assert core.log == [("add", "t0"), ("add", "t1"), ("step", 2), ("add", "t2"), ("step", 2), ("step", 1),
+                        ("step", 1)]
 
 
 def test_conversations_advance_concurrently_while_others_wait_on_a_tool():
@@ -73,63 +90,6 @@ def test_an_engine_failure_reaches_every_waiting_conversation_and_nothing_hangs(
         asyncio.run(asyncio.wait_for(main(), 10))
 
 
-class _PerThreadCuda:
-    """CUDA's current device as the runtime keeps it, faked on CPU: one per thread, device 0 in a new one."""
-
-    def __init__(self, monkeypatch):
-        self._local, self.selected = threading.local(), []
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-        monkeypatch.setattr(torch.cuda, "current_device", lambda: getattr(self._local, "device", 0))
-        monkeypatch.setattr(torch.cuda, "set_device", self.set_device)
-
-    def set_device(self, device):
-        self._local.device = device
-        self.selected.append((threading.current_thread().name, device))
-
-
-class _DeviceRecordingCore(FakeCore):
-    def __init__(self):
-        super().__init__()
-        self.devices = []
-
-    def add(self, request_id, request):
-        self.devices.append(("add", torch.cuda.current_device()))
-        super().add(request_id, request)
-
-    def step(self):
-        self.devices.append(("step", torch.cuda.current_device()))
-        return super().step()
-
-
-def test_the_engine_thread_works_on_the_device_of_the_worker_thread(monkeypatch):
-    """Where Ray leaves every GPU visible (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES), a worker picks
-    its GPU with torch.cuda.set_device, which holds for its own thread only: the engine thread, where
-    vLLM allocates and launches, must pick the same one before it touches the engine."""
-    cuda = _PerThreadCuda(monkeypatch)
-    cuda.set_device(3)  # the worker's GPU, chosen in its own thread (init_distributed does this)
-    core = _DeviceRecordingCore()
-
-    async def main():
-        async with AsyncEngine(core) as engine:
-            return await asyncio.gather(*(engine.generate(TurnRequest([1], 4)) for _ in range(2)))
-
-    assert [o.token_ids for o in asyncio.run(main())] == [(7, 8)] * 2
-    assert core.devices == [("add", 3), ("add", 3), ("step", 3)]
-    assert ("ballast-rollout-engine", 3) in cuda.selected
-
-
-def test_a_cpu_process_never_touches_cuda_from_the_engine_thread(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "set_device", lambda device: pytest.fail("set_device on a CPU run"))
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
-
-    async def main():
-        async with AsyncEngine(FakeCore()) as engine:
-            return await engine.generate(TurnRequest([1], 4))
-
-    assert asyncio.run(main()).token_ids == (7, 8)
-
-
 @pytest.fixture(scope="module")
 def hf_backend(tiny_dir):
     sampling = SamplingConfig(max_response_length=12, seed=7, calculate_log_probs=True)
@@ -138,7 +98,7 @@ def hf_backend(tiny_dir):
 
 def test_hf_core_cuts_each_request_at_its_own_budget_and_stop(hf_backend):
     sampling = SamplingConfig(max_response_length=12, seed=7, calculate_log_probs=True, ignore_eos=True)
-    core = HFCore(hf_backend, sampling)
+    core = hf_backend.core(sampling)
     core.add("a", TurnRequest([5, 6], 3, seed=1))
     core.add("b", TurnRequest([9], 7, seed=2))
     done = dict(core.step())
@@ -147,32 +107,18 @@ def test_hf_core_cuts_each_request_at_its_own_budget_and_stop(hf_backend):
     assert len(done["b"].log_probs) == 7 and not core.has_unfinished()
 
 
-@pytest.mark.parametrize("do_sample", [True, False])
-def test_single_turn_async_equals_batched_generation_token_for_token(hf_backend, tiny_dir, do_sample):
-    sampling = SamplingConfig(max_response_length=12, seed=7, calculate_log_probs=True, do_sample=do_sample)
-    prompts = left_padded_prompts(PROMPTS, position_ids=True)
-    batched = hf_backend.generate(prompts, sampling, call_index=3)
-    runner = AgentLoopRunner(hf_backend, AgentLoopSpec(tokenizer_path=tiny_dir, prompt_length=16, response_length=12))
-    result = runner.generate(Batch(prompts), sampling, call_index=3)
-    assert sorted(result.tensors.keys()) == sorted(batched.keys())
-    for key in batched.keys():
-        assert torch.equal(result.tensors[key], batched[key]), key
-    stops = result.columns["agent_stop_reason"]
-    assert set(stops) <= {"answer", "length"}
-    assert list(result.columns["agent_num_turns"]) == [2] * len(PROMPTS)
-
-
-@pytest.mark.parametrize("path", ["batched", "request"])
-def test_hf_samples_the_tokens_the_batched_rollout_recorded(hf_backend, tiny_dir, path):
+def test_hf_samples_the_tokens_the_batched_rollout_recorded(hf_backend, tiny_dir):
     """tests/fixtures/same_tokens.json: what the batched HF rollout recorded (sampled, filtered,
-    greedy), through each generate entry point of the worker."""
+    greedy), through the worker's generate path (single-turn agent loops on the HF core)."""
     fixture = same_tokens.load()
     same_tokens.check_model(fixture, "tiny", tiny_dir)
     same_tokens.check_engine(fixture, "hf", hf_backend)
-    runner = AgentLoopRunner(hf_backend, AgentLoopSpec(tokenizer_path=tiny_dir, prompt_length=16, response_length=16))
-    generate = same_tokens.entry_points(hf_backend, runner)[path]
+    runner = AgentLoopRunner(hf_backend, AgentLoopSpec(tokenizer_path=tiny_dir, prompt_length=16))
+    generate = same_tokens.generate_with(runner)
     for name, out in same_tokens.run_calls(fixture, generate, fixture["prompts"]["tp1"]).items():
-        same_tokens.assert_same_tokens(fixture["results"]["hf"][name], out, f"hf/{path}/{name}")
+        same_tokens.assert_same_tokens(fixture["results"]["hf"][name], out, f"hf/{name}")
+        assert set(out.keys()) == {"prompts", "responses", "response_mask", "input_ids", "attention_mask",
+                                   "position_ids", "rollout_log_probs"}
 
 
 def test_multi_turn_rollout_log_probs_are_those_of_the_final_sequence(hf_backend, tiny_dir):
@@ -184,7 +130,7 @@ def test_multi_turn_rollout_log_probs_are_those_of_the_final_sequence(hf_backend
     sampling = SamplingConfig(max_response_length=32, seed=3, calculate_log_probs=True, ignore_eos=True)
     prompts = Batch(left_padded_prompts(PROMPTS[:3], position_ids=True),
                     non_tensors={"agent_name": ["test_inserting_agent"] * 3})
-    runner = AgentLoopRunner(hf_backend, AgentLoopSpec(tokenizer_path=tiny_dir, prompt_length=16, response_length=32))
+    runner = AgentLoopRunner(hf_backend, AgentLoopSpec(tokenizer_path=tiny_dir, prompt_length=16))
     out = runner.generate(prompts, sampling, call_index=1).tensors
     model = hf_backend.model
     for row in range(3):

@@ -9,7 +9,8 @@ import torch
 from ballast.protocol import Batch
 from ballast.workers.agent_loop import AgentLoopRunner, AgentLoopSpec
 from ballast.workers.rollout import RolloutConfig, SamplingConfig, build_backend
-from ballast.workers.rollout.async_engine import HF_RESUMABLE_STEP_TOKENS, HFCore, TurnRequest, make_core
+from ballast.workers.rollout.async_engine import TurnRequest
+from ballast.workers.rollout.hf_backend import HF_RESUMABLE_STEP_TOKENS, HFCore
 from ballast.workers.rollout.resume import ResumingCore
 from testkit.prompts import left_padded_prompts
 
@@ -67,7 +68,7 @@ def _greedy(model, prompt, n):
 
 def test_without_an_update_a_sliced_hf_core_samples_what_the_whole_request_core_does(backend):
     sampling = backend.config.sampling
-    whole, sliced = HFCore(backend, sampling), make_core(backend, sampling, resumable=True)
+    whole, sliced = HFCore(backend, sampling), backend.core(sampling, resumable=True)
     assert sliced.step_tokens == HF_RESUMABLE_STEP_TOKENS
     for core in (whole, sliced):
         for i, p in enumerate(PROMPTS):
@@ -85,7 +86,7 @@ def test_without_an_update_a_sliced_hf_core_samples_what_the_whole_request_core_
 
 def test_an_update_mid_request_resumes_it_under_the_new_weights_with_each_tokens_version(backend, two_versions):
     updates = Updates(backend, two_versions, at=2)  # after the first slice
-    core = ResumingCore(make_core(backend, backend.config.sampling, resumable=True), updates)
+    core = ResumingCore(backend.core(backend.config.sampling, resumable=True), updates)
     prompt = PROMPTS[0]
     core.add("a", TurnRequest(prompt, BUDGET))
     outs = []
@@ -119,7 +120,7 @@ def test_requests_not_started_when_the_update_lands_are_sampled_wholly_by_the_ne
 
 def test_the_runner_returns_every_sampled_tokens_version_and_keeps_the_budgets(backend, tiny_dir, two_versions):
     updates = Updates(backend, two_versions, at=2)
-    runner = AgentLoopRunner(backend, AgentLoopSpec(tokenizer_path=tiny_dir, prompt_length=16, response_length=BUDGET))
+    runner = AgentLoopRunner(backend, AgentLoopSpec(tokenizer_path=tiny_dir, prompt_length=16))
     prompts = Batch(left_padded_prompts(PROMPTS, position_ids=True))
     out = runner.generate(prompts, backend.config.sampling, call_index=1, updates=updates).tensors
     versions, mask = out["rollout_versions"], out["response_mask"].bool()
@@ -143,7 +144,7 @@ def test_a_failed_load_mid_call_fails_the_call_naming_it_and_nothing_hangs(backe
         def load(self, weights):
             raise RuntimeError("rollout rank 0 loaded 3 of the 12 exported tensors")
 
-    runner = AgentLoopRunner(backend, AgentLoopSpec(tokenizer_path=tiny_dir, prompt_length=16, response_length=BUDGET))
+    runner = AgentLoopRunner(backend, AgentLoopSpec(tokenizer_path=tiny_dir, prompt_length=16))
     prompts = Batch(left_padded_prompts(PROMPTS, position_ids=True))
     with pytest.raises(RuntimeError, match="loaded 3 of the 12 exported tensors"):
         runner.generate(prompts, backend.config.sampling, call_index=1, updates=Broken())

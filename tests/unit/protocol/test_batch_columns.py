@@ -1,8 +1,8 @@
 """The column table (`ballast.protocol.fields`) against the code that writes columns.
 
 Runtime, exact: one tiny step is run through the real writers, in the driver's order, with stand-in
-engines (their outputs are zeros; only the columns matter): the data's prompt batch, both rollout
-output builders and the agent loop's columns, the actor's old-log-prob pass and the update's
+engines (their outputs are zeros; only the columns matter): the data's prompt batch, the rollout's
+output builder and the agent loop's columns, the actor's old-log-prob pass and the update's
 hand-back, the reference and critic passes, the reward's scores, the advantage phase and both modes
 of rollout correction. Every column a writer puts into a Batch (`Batch.__setitem__`, recorded) or
 returns (a worker's Batch, a builder's TensorDict) must be a field the table attributes to that
@@ -45,7 +45,6 @@ from ballast.workers.actor_rollout_ref import ActorRolloutRefWorker, engine_inpu
 from ballast.workers.agent_loop.base import AgentLoopOutput, StopReason
 from ballast.workers.agent_loop.output import assemble, sample_columns
 from ballast.workers.critic import CriticWorker
-from ballast.workers.rollout.postprocess import build_rollout_output
 from ballast.workers.train_loop import UpdateResult
 
 PKG = Path(__file__).resolve().parents[3] / "ballast"
@@ -126,11 +125,9 @@ def _conversations() -> list[AgentLoopOutput]:
 
 
 def _generate(rec: Recorder, prompts: Batch) -> Batch:
-    """Both rollout output builders (batched and agent loops) on the data's prompts; the agent loops'
-    batch goes on, with the prompts' own columns kept (as the worker returns it)."""
+    """The rollout's output builder (agent loops) on the data's prompts; its batch goes on, with the
+    prompts' own columns kept (as the worker returns it)."""
     layout = [prompts[k] for k in ("input_ids", "attention_mask", "position_ids")]
-    rec.returned(F.ROLLOUT, build_rollout_output(*layout, RESPONSES, [[-0.5] * len(r) for r in RESPONSES],
-                                                 pad_token_id=PAD, response_length=RESPONSE_LEN))
     out = rec.returned(F.ROLLOUT, assemble(*layout, _conversations(), pad_token_id=PAD, prompt_length=3,
                                            response_length=RESPONSE_LEN, with_log_probs=True))
     columns = rec.returned(F.AGENT_LOOP, sample_columns(_conversations(), ["tool_agent"] * len(PROMPTS)))

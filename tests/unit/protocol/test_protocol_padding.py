@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from ballast.protocol import Batch, concat_padded, pad_to_widths
-from ballast.workers.rollout.postprocess import build_rollout_output
-
 from testkit.prompts import left_padded_prompts
+from testkit.rollout import rollout_output
 
 PAD = 7
 
@@ -17,9 +16,9 @@ def _rollout(prompts, responses, prompt_width=None, response_length=None, uid="g
     """A rollout call's output for `prompts` / `responses` (token lists), plus a float response field
     and a uid per row, as the driver holds it after scoring."""
     layout = left_padded_prompts(prompts, width=prompt_width, pad=PAD, position_ids=True)
-    out = build_rollout_output(layout["input_ids"], layout["attention_mask"], layout["position_ids"], responses,
-                               log_probs=[[-0.5] * len(r) for r in responses], pad_token_id=PAD,
-                               response_length=response_length)
+    out = rollout_output(layout["input_ids"], layout["attention_mask"], responses,
+                         log_probs=[[-0.5] * len(r) for r in responses], pad_token_id=PAD,
+                         response_length=response_length)
     scores = torch.zeros(out["responses"].shape, dtype=torch.float32)
     for row, tokens in enumerate(responses):
         scores[row, len(tokens) - 1] = float(tokens[0])  # a value of the row, not of its position

@@ -1,4 +1,5 @@
-"""The HF backend against the output contract, on a tiny random Qwen2 (CPU, fp32)."""
+"""The HF backend through the rollout's generate path (single-turn agent loops on its core) against the
+output contract, on a tiny random Qwen2 (CPU, fp32)."""
 
 import contextlib
 
@@ -10,7 +11,7 @@ from ballast.workers.rollout import RolloutConfig, SamplingConfig, build_backend
 from ballast.workers.rollout.base import RolloutBackend
 from ballast.workers.rollout.hf_backend import apply_sampling_filters
 from testkit.prompts import left_padded_prompts
-from testkit.rollout import filtered_log_probs
+from testkit.rollout import filtered_log_probs, generate
 
 PROMPTS = [[5, 6, 7, 8], [9], [10, 11], [12, 13, 14, 15, 16, 17], [9]]
 
@@ -44,7 +45,7 @@ def greedy_reference(model, prompt, steps):
 
 def test_greedy_matches_manual_decoding_and_contract(backend, hf_reference_model):
     greedy = SamplingConfig(max_response_length=10, do_sample=False, eos_token_ids=(), calculate_log_probs=True)
-    out = backend.generate(make_prompts(), greedy)
+    out = generate(backend, make_prompts(), greedy)
     sizes = check_fields(out, ["prompts", "responses", "response_mask", "input_ids", "attention_mask",
                                "position_ids", "rollout_log_probs"])
     assert sizes["R"] == 10 and sizes["B"] == len(PROMPTS)
@@ -59,7 +60,7 @@ def test_greedy_matches_manual_decoding_and_contract(backend, hf_reference_model
 
 
 def test_eos_and_stop_ids_cut_and_mask(backend):
-    free = backend.generate(make_prompts(), SamplingConfig(max_response_length=10, do_sample=False, eos_token_ids=()))
+    free = generate(backend, make_prompts(), SamplingConfig(max_response_length=10, do_sample=False, eos_token_ids=()))
     row0 = free["responses"][0].tolist()
     stop_token = row0[3]
     first = row0.index(stop_token)
@@ -67,7 +68,7 @@ def test_eos_and_stop_ids_cut_and_mask(backend):
         SamplingConfig(max_response_length=10, do_sample=False, eos_token_ids=(stop_token,)),
         SamplingConfig(max_response_length=10, do_sample=False, eos_token_ids=(), stop_token_ids=(stop_token,)),
     ):
-        out = backend.generate(make_prompts(), sampling)
+        out = generate(backend, make_prompts(), sampling)
         assert out["responses"][0, : first + 1].tolist() == row0[: first + 1]
         assert out["response_mask"][0].tolist() == [1] * (first + 1) + [0] * (10 - first - 1)
         assert (out["responses"][0, first + 1:] == backend.pad_token_id).all()
@@ -76,7 +77,7 @@ def test_eos_and_stop_ids_cut_and_mask(backend):
             full = free["responses"][i].tolist()
             n = full.index(stop_token) + 1 if stop_token in full else 10
             assert out["response_mask"][i].sum() == n and out["responses"][i, :n].tolist() == full[:n]
-    ignored = backend.generate(
+    ignored = generate(backend, 
         make_prompts(),
         SamplingConfig(max_response_length=10, do_sample=False, eos_token_ids=(stop_token,), ignore_eos=True),
     )
@@ -84,13 +85,13 @@ def test_eos_and_stop_ids_cut_and_mask(backend):
 
 
 def test_response_width_longest_or_fixed(backend):
-    stop = backend.generate(make_prompts(), SamplingConfig(max_response_length=10, do_sample=False,
+    stop = generate(backend, make_prompts(), SamplingConfig(max_response_length=10, do_sample=False,
                                                            eos_token_ids=()))["responses"][0, 0].item()
     short = SamplingConfig(max_response_length=10, do_sample=False, eos_token_ids=(stop,),
                            pad_to_max_response_length=False)
-    out = backend.generate(make_prompts([[5, 6, 7, 8]]), short)
+    out = generate(backend, make_prompts([[5, 6, 7, 8]]), short)
     assert out["responses"].shape == (1, 1) and out["responses"].item() == stop
-    fixed = backend.generate(make_prompts([[5, 6, 7, 8]]), SamplingConfig(
+    fixed = generate(backend, make_prompts([[5, 6, 7, 8]]), SamplingConfig(
         max_response_length=10, do_sample=False, eos_token_ids=(stop,)))
     assert fixed["responses"].shape == (1, 10) and fixed["response_mask"].sum() == 1
 
@@ -98,7 +99,7 @@ def test_response_width_longest_or_fixed(backend):
 def test_sampling_log_probs_use_the_filtered_distribution(backend, hf_reference_model):
     sampling = SamplingConfig(max_response_length=6, temperature=0.7, top_k=20, top_p=0.9, seed=11,
                               eos_token_ids=(), calculate_log_probs=True)
-    out = backend.generate(make_prompts(), sampling)
+    out = generate(backend, make_prompts(), sampling)
     for i, prompt in enumerate(PROMPTS):
         expected = filtered_log_probs(hf_reference_model, out, i, len(prompt), sampling)
         assert torch.isfinite(expected).all()  # every sampled token survived top-k/top-p
@@ -110,18 +111,18 @@ def test_sampling_is_seeded_per_call_and_leaves_global_rng_alone(backend):
     fresh = build_backend(backend.config, model=backend.model)
     torch.manual_seed(123)
     before = torch.random.get_rng_state()
-    first = fresh.generate(make_prompts(), sampling)["responses"]
-    second = fresh.generate(make_prompts(), sampling)["responses"]
+    first = generate(fresh, make_prompts(), sampling)["responses"]
+    second = generate(fresh, make_prompts(), sampling)["responses"]
     assert torch.equal(torch.random.get_rng_state(), before)
     assert not torch.equal(first, second)  # the call index enters the seed: fresh samples each step
     # A new backend with the same seed replays the same sequence of calls.
     replay = build_backend(backend.config, model=backend.model)
-    assert torch.equal(replay.generate(make_prompts(), sampling)["responses"], first)
-    assert torch.equal(replay.generate(make_prompts(), sampling)["responses"], second)
+    assert torch.equal(generate(replay, make_prompts(), sampling)["responses"], first)
+    assert torch.equal(generate(replay, make_prompts(), sampling)["responses"], second)
     # What start_generate_call reads and writes is the protocol's: the call count is the default index.
     assert isinstance(replay, RolloutBackend) and replay.num_calls == 2
     assert replay.vocab_size == backend.model.config.vocab_size
-    assert torch.equal(replay.generate(make_prompts(), sampling, call_index=1)["responses"], second)
+    assert torch.equal(generate(replay, make_prompts(), sampling, call_index=1)["responses"], second)
     assert replay.num_calls == 3
 
 
@@ -155,9 +156,9 @@ def test_bad_prompts_are_rejected_with_row(backend):
     bad = make_prompts()
     bad["attention_mask"][2] = torch.tensor([1, 1, 1, 1, 1, 0])
     with pytest.raises(ValueError, match="row 2 is not left-padded"):
-        backend.generate(bad)
+        generate(backend, bad)
     with pytest.raises(ValueError, match="row 0 holds token id 999"):
-        backend.generate(make_prompts([[999]]))
+        generate(backend, make_prompts([[999]]))
 
 
 @pytest.mark.parametrize("device, current, expected", [
@@ -198,9 +199,9 @@ def test_engines_and_calls_never_share_a_sampling_stream(backend):
     engine16 = build_backend(_per_engine_seed(config, 16), model=backend.model)
     assert engine16.config.engine_index == 16 and engine16.config.sampling.seed == 5
     prompts = make_prompts([[5, 6, 7, 8]] * 4)
-    assert not torch.equal(engine16.generate(prompts, call_index=0)["responses"],
-                           engine0.generate(prompts, call_index=1)["responses"])
+    assert not torch.equal(generate(engine16, prompts, call_index=0)["responses"],
+                           generate(engine0, prompts, call_index=1)["responses"])
     # ... while one engine still replays a call exactly (what resuming a run relies on)
     again = build_backend(_per_engine_seed(config, 16), model=backend.model)
-    assert torch.equal(again.generate(prompts, call_index=0)["responses"],
-                       engine16.generate(prompts, call_index=0)["responses"])
+    assert torch.equal(generate(again, prompts, call_index=0)["responses"],
+                       generate(engine16, prompts, call_index=0)["responses"])

@@ -23,6 +23,7 @@ from ballast.workers.train_loop import UpdateResult
 from ballast.protocol import Batch
 from ballast.workers import actor_rollout_ref
 from ballast.workers.actor_rollout_ref import ActorRolloutRefWorker
+from ballast.workers.agent_loop import AgentLoopRunner
 from ballast.workers.spec import WeightSyncSpec
 from ballast.workers.rollout.base import RolloutConfig, SamplingConfig
 from ballast.workers.rollout import vllm_backend
@@ -54,8 +55,7 @@ class FakeLLM:
         self.adapter, self.offloaded_adapter = None, None  # the runtime pool's LoRA buffers: (id, value)
         worker = SimpleNamespace(model_runner=SimpleNamespace(get_model=lambda: FakeModel(self)), engine=self)
         self._worker = worker
-        model_config = SimpleNamespace(get_vocab_size=lambda: VOCAB, max_model_len=256)
-        self.llm_engine = SimpleNamespace(model_config=model_config)
+        self.llm_engine = FakeEngine(self)
 
     def sleep(self, level):
         self.events.append(f"sleep{level}")
@@ -87,18 +87,40 @@ class FakeLLM:
     def reset_prefix_cache(self):
         self.events.append("reset_prefix_cache")
 
-    def generate(self, prompts, params, use_tqdm=False, lora_request=None):
-        if self.asleep:
-            raise RuntimeError(f"generate while {sorted(self.asleep)} asleep")
-        self.events.append("generate")
-        tokens = [self.weight]
-        if lora_request is not None:
-            installed, value = self.adapter or (None, None)
-            if installed != lora_request.lora_int_id:
-                raise RuntimeError(f"request names adapter {lora_request.lora_int_id}, loaded: {installed}")
-            tokens.append(ADAPTER_TOKEN + value)
-        completion = SimpleNamespace(token_ids=tokens, logprobs=None)
-        return [SimpleNamespace(outputs=[completion]) for _ in prompts]
+    def _preprocess_cmpl_one(self, prompt):
+        return prompt
+
+
+class FakeEngine:
+    """The request-level face of the fake engine: every request finishes in the step after its add."""
+
+    def __init__(self, llm):
+        self.llm, self.requests = llm, []
+        self.model_config = SimpleNamespace(get_vocab_size=lambda: VOCAB, max_model_len=256)
+
+    def add_request(self, request_id, prompt, params, lora_request=None):
+        self.requests.append((request_id, lora_request))
+
+    def has_unfinished_requests(self):
+        return bool(self.requests)
+
+    def step(self):
+        llm = self.llm
+        if llm.asleep:
+            raise RuntimeError(f"generate while {sorted(llm.asleep)} asleep")
+        llm.events.append("generate")
+        outputs = []
+        for request_id, lora_request in self.requests:
+            tokens = [llm.weight]
+            if lora_request is not None:
+                installed, value = llm.adapter or (None, None)
+                if installed != lora_request.lora_int_id:
+                    raise RuntimeError(f"request names adapter {lora_request.lora_int_id}, loaded: {installed}")
+                tokens.append(ADAPTER_TOKEN + value)
+            completion = SimpleNamespace(token_ids=tokens, logprobs=None)
+            outputs.append(SimpleNamespace(request_id=request_id, finished=True, outputs=[completion]))
+        self.requests = []
+        return outputs
 
 
 def _fake_install_adapter(worker, tensors, peft_config, lora_id):
@@ -114,6 +136,9 @@ def fake_vllm(monkeypatch):
     inputs = types.ModuleType("vllm.inputs")
     inputs.TokensPrompt = lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids}
     module.inputs = inputs
+    sampling_params = types.ModuleType("vllm.sampling_params")
+    sampling_params.RequestOutputKind = SimpleNamespace(DELTA="delta", FINAL_ONLY="final")
+    monkeypatch.setitem(sys.modules, "vllm.sampling_params", sampling_params)
     lora_request = types.ModuleType("vllm.lora.request")
     lora_request.LoRARequest = lambda **kw: SimpleNamespace(**kw)
     monkeypatch.setitem(sys.modules, "vllm", module)
@@ -164,6 +189,7 @@ def _worker(tmp_path, sleep_level, actor=None):
                                                    weight_sync=WeightSyncSpec()))
     worker.actor = actor or FakeActor()
     worker.rollout = VLLMBackend(config)
+    worker._agents = AgentLoopRunner(worker.rollout)
     worker.rollout.sleep()  # as init_model: the memory goes to training until the first rollout
     worker._init_weight_sync()
     return worker

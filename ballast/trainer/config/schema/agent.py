@@ -1,4 +1,4 @@
-"""Schema of `actor_rollout_ref.rollout.multi_turn` and `.agent`: agent loops and tools (rollout.mode=async)."""
+"""Schema of `actor_rollout_ref.rollout.multi_turn` and `.agent`: agent loops and tools (every rollout runs agent loops)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Optional
 @dataclass(frozen=True)
 class MultiTurnSection:
     enable: bool
-    """Tool-calling conversations (needs rollout.mode=async). As in verl, a row runs the tool loop when its
+    """Tool-calling conversations. As in verl, a row runs the tool loop when its
     `agent_name` (or `agent.default_agent_loop`) is `tool_agent`; with `default_agent_loop=null` this
     switch makes `tool_agent` the default."""
     max_assistant_turns: Optional[int]

@@ -124,6 +124,6 @@ class BallastOverlapConfig:
     partial_rollout: Optional[bool]
     """Whether new weights interrupt the generations in flight, which resume under them (each token's
     weight version is recorded). null: as verl's mode (on with `separate_async`, which then needs
-    `rollout.mode=async` and rollout TP 1; off colocated). false with `separate_async`: every batch ahead
+    rollout TP 1; off colocated). false with `separate_async`: every batch ahead
     finishes on the weights it started with (at most `num_warmup_batches` updates old). true colocated
     is verl's `colocate_async`: refused."""

@@ -8,7 +8,7 @@ from typing import Optional
 from ballast.trainer.config.schema.agent import AgentSection, MultiTurnSection
 from ballast.trainer.config.schema.choice import choice
 
-# verl's values: `sync` (batched generation) and `async` (agent loops on request-level rollout).
+# verl's values; both run the one request-level rollout (agent loops; verl deprecated `sync`).
 RolloutMode = choice("RolloutMode", __name__, "sync", "async")
 
 
@@ -34,8 +34,9 @@ class RolloutSection:
     name: str
     """Rollout backend: `vllm` or `hf` (transformers generate)."""
     mode: RolloutMode
-    """`sync` (one batched generate per call) or `async` (agent loops over request-level rollout:
-    every sample is a conversation that advances concurrently; `multi_turn` adds tools)."""
+    """`sync` or `async` (verl's key): both mean the same rollout, agent loops over request-level
+    generation, every sample a conversation that advances concurrently (`single_turn_agent` unless the
+    row's `agent_name` or `agent.default_agent_loop` names another; `multi_turn` adds tools)."""
     temperature: float
     """Sampling temperature (> 0 when `do_sample`); the actor's log-probs use the same one."""
     top_k: int
@@ -104,6 +105,6 @@ class RolloutSection:
     val_kwargs: ValKwargs
     """Sampling for validation."""
     multi_turn: MultiTurnSection
-    """Tool-calling conversations (rollout.mode=async)."""
+    """Tool-calling conversations."""
     agent: AgentSection
-    """Agent loops (rollout.mode=async)."""
+    """Agent loops (every rollout runs them; single-turn by default)."""

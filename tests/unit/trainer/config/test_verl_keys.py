@@ -101,7 +101,6 @@ def test_fsdp_size_that_does_not_divide_the_workers_fails_at_start_up(key, value
     (["critic.strategy=fsdp"], "critic.strategy='fsdp' is verl's FSDP1"),
     (["actor_rollout_ref.actor.strategy=megatron"], "actor.strategy='megatron' is not one of"),
     (["actor_rollout_ref.hybrid_engine=False"], "hybrid_engine=False with trainer.v1.trainer_mode=sync"),
-    (["actor_rollout_ref.rollout.multi_turn.enable=True"], "multi_turn.enable=True needs .*rollout.mode=async"),
     (["actor_rollout_ref.rollout.mode=async", "actor_rollout_ref.rollout.multi_turn.tool_response_truncate_side=top"],
      "multi_turn.tool_response_truncate_side: .*must be one of"),
     (["actor_rollout_ref.rollout.mode=async", "actor_rollout_ref.rollout.multi_turn.tool_config_path=/nonexistent.yaml"],

@@ -28,7 +28,7 @@ def test_the_first_row_naming_each_agent_loop_is_kept_with_its_file(tmp_path):
 
 
 def test_an_unknown_agent_name_is_named_with_its_file_and_row():
-    spec = AgentLoopSpec(tokenizer_path="/t", prompt_length=8, response_length=8)
+    spec = AgentLoopSpec(tokenizer_path="/t", prompt_length=8)
     names = {"tool_agent": "data file 'a.jsonl' row 1", "mine": "data file 'b.jsonl' row 2"}
     problem = unknown_agent_name(_plan(spec), names)
     assert problem.startswith("data file 'b.jsonl' row 2: agent_name='mine' is not an agent loop; registered: [")

@@ -114,10 +114,10 @@ def test_start_up_report_of_what_a_sync_moves():
     assert "lora.merge=True" in weight_sync_report([{"weight_sync": "merged", "adapter_rank": 8}])
 
 
-def test_agent_loops_with_a_served_adapter_are_refused_and_merged_weights_are_not():
-    # the agent loops' requests do not name the served adapter: they would sample from the base model
-    with pytest.raises(ConfigError, match=r"rollout.mode=async with a LoRA actor needs actor_rollout_ref.model.lora.merge=true"):
-        _plan(*LORA, "actor_rollout_ref.rollout.mode=async")
-    _, plan = _plan(*LORA, "actor_rollout_ref.rollout.mode=async", "actor_rollout_ref.model.lora.merge=True")
-    spec = plan.specs.actor_rollout_ref
-    assert spec.agent is not None and spec.rollout.max_lora_rank is None
+def test_both_rollout_modes_serve_the_adapter_to_the_same_agent_loops():
+    # one request-level rollout whatever rollout.mode says: every request names the served adapter
+    _, sync = _plan(*LORA, "actor_rollout_ref.rollout.mode=sync")
+    _, agent = _plan(*LORA, "actor_rollout_ref.rollout.mode=async")
+    spec, same = agent.specs.actor_rollout_ref, sync.specs.actor_rollout_ref
+    assert (spec.rollout, spec.agent, spec.rollout_val_sampling) == (same.rollout, same.agent, same.rollout_val_sampling)
+    assert spec.agent.default_agent_loop == "single_turn_agent" and spec.rollout.max_lora_rank == 16

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ballast.protocol import Batch, Output
-from ballast.workers.rollout.postprocess import build_rollout_output, prompt_token_lists
+from ballast.workers.rollout.prompts import prompt_token_lists
 from ballast.trainer.config import load_config
 from ballast.trainer.run.data import DataExhausted
 from ballast.trainer.step.dynamic_sampling import filter_metric_values, informative_groups
@@ -19,6 +19,7 @@ from ballast.trainer.step.rollout_pipeline import (STALENESS, Ahead, PendingRoll
                                                    save_rollouts_ahead, staleness_metrics)
 
 from testkit.prompts import left_padded_prompts
+from testkit.rollout import rollout_output
 
 PAD = 9
 
@@ -144,8 +145,7 @@ def _prompts(token_lists, uid_prefix):
 def _rollout(batch):
     """The rollout's output contract for `batch`: each prompt answered with its first token and 1."""
     answers = [[tokens[0], 1] for tokens in prompt_token_lists(batch["input_ids"], batch["attention_mask"])]
-    out = build_rollout_output(batch["input_ids"], batch["attention_mask"], batch["position_ids"], answers,
-                               pad_token_id=PAD, response_length=3)
+    out = rollout_output(batch["input_ids"], batch["attention_mask"], answers, pad_token_id=PAD, response_length=3)
     return Batch(dict(out.items()), batch.non_tensors, batch.meta)
 
 

@@ -1,4 +1,5 @@
-"""The rollout output contract as pure functions: padding, masks, positions, EOS/stop truncation."""
+"""The rollout's prompts and output contract: padding, masks, positions, EOS/stop truncation (the output
+built by the agent loops' assembler from single-turn conversations, as every rollout call builds it)."""
 
 import pytest
 import torch
@@ -6,15 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ballast.protocol.fields import check_fields
-from ballast.workers.rollout.postprocess import (
-    build_rollout_output,
-    default_position_ids,
-    input_digest,
-    prompt_token_lists,
-    read_prompts,
-    truncate_at_stop,
-)
+from ballast.workers.rollout.prompts import prompt_token_lists, read_prompts, truncate_at_stop
 from testkit.prompts import left_padded_prompts
+from testkit.rollout import rollout_output
 
 PAD = 0
 
@@ -49,11 +44,10 @@ def test_truncate_at_first_stop_token_inclusive():
 
 def test_output_contract_example():
     ids, mask = left_pad([[5, 6, 7], [8]])
-    pos = default_position_ids(mask)
     # Row 0 stops at eos 1 (tokens after it are dropped); row 1 hits the length limit; row 1 has
     # the pad id 0 as a real token, which must stay in the mask.
-    out = build_rollout_output(
-        ids, mask, pos, [[11, 1, 12, 13], [0, 14, 15]], [[-0.1, -0.2, -0.3, -0.4], [-1.0, -2.0, -3.0]],
+    out = rollout_output(
+        ids, mask, [[11, 1, 12, 13], [0, 14, 15]], [[-0.1, -0.2, -0.3, -0.4], [-1.0, -2.0, -3.0]],
         pad_token_id=PAD, stop_token_ids={1},
     )
     assert out.batch_size == torch.Size([2])
@@ -74,36 +68,18 @@ def test_output_contract_example():
 
 def test_fixed_response_length_pads_and_rejects_overflow():
     ids, mask = left_pad([[5]])
-    out = build_rollout_output(ids, mask, None, [[3, 4]], pad_token_id=9, response_length=5)
+    out = rollout_output(ids, mask, [[3, 4]], pad_token_id=9, response_length=5)
     assert out["responses"].tolist() == [[3, 4, 9, 9, 9]]
     assert out["response_mask"].tolist() == [[1, 1, 0, 0, 0]]
     assert "rollout_log_probs" not in out.keys()
-    with pytest.raises(ValueError, match="row 0 has 2 tokens > response_length=1"):
-        build_rollout_output(ids, mask, None, [[3, 4]], pad_token_id=9, response_length=1)
-    with pytest.raises(ValueError, match="1 responses for 2 prompt rows"):
-        build_rollout_output(*left_pad([[1], [2]]), None, [[3]], pad_token_id=0)
-    with pytest.raises(ValueError, match="row 0: 1 log-probs for 2 tokens"):
-        build_rollout_output(ids, mask, None, [[3, 4]], [[-1.0]], pad_token_id=0)
+    with pytest.raises(ValueError, match="2 response tokens > response_length=1"):
+        rollout_output(ids, mask, [[3, 4]], pad_token_id=9, response_length=1)
 
 
 def test_empty_batch_keeps_shapes():
     ids = torch.zeros((0, 4), dtype=torch.int64)
-    out = build_rollout_output(ids, ids.clone(), None, [], [], pad_token_id=0, response_length=3)
+    out = rollout_output(ids, ids.clone(), [], [], pad_token_id=0, response_length=3)
     assert out["input_ids"].shape == (0, 7) and out["rollout_log_probs"].shape == (0, 3)
-
-
-def test_custom_prompt_positions_are_continued():
-    ids, mask = left_pad([[5, 6]])
-    pos = torch.tensor([[10, 11]])
-    out = build_rollout_output(ids, mask, pos, [[1, 2, 3]], pad_token_id=0)
-    assert out["position_ids"].tolist() == [[10, 11, 12, 13, 14]]
-
-
-def test_input_digest_depends_on_tokens_boundaries_and_sampling():
-    base = input_digest([[1, 2], [3]], "s")
-    assert base == input_digest([[1, 2], [3]], "s")
-    assert base != input_digest([[1], [2, 3]], "s")
-    assert base != input_digest([[1, 2], [3]], "t")
 
 
 @settings(max_examples=60, deadline=None)
@@ -116,8 +92,8 @@ def test_input_digest_depends_on_tokens_boundaries_and_sampling():
 def test_contract_properties(prompts, responses, stop, fixed):
     responses = responses[: len(prompts)]
     ids, mask = left_pad(prompts)
-    out = build_rollout_output(
-        ids, mask, None, responses, [[-float(j + 1) for j in range(len(r))] for r in responses],
+    out = rollout_output(
+        ids, mask, responses, [[-float(j + 1) for j in range(len(r))] for r in responses],
         pad_token_id=PAD, stop_token_ids=stop, response_length=8 if fixed else None,
     )
     width = out["responses"].shape[1]
