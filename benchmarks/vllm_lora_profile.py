@@ -8,7 +8,7 @@ profiler's op table of the adapter call.
 Reports the median seconds of `--repeats` calls per engine, the difference, and the ops that take
 the most self CPU time in the adapter call, with their call counts (`ops`), so that per-call overhead
 (many tiny calls) can be told from arithmetic (few large ones). On the adapter engine it then times,
-interleaved, `--repeats` calls each of the whole-layer one-slot path (`vllm_cpu_lora_ops`), vLLM's
+interleaved, `--repeats` calls each of the whole-layer one-slot path (`vllm_internals`), vLLM's
 per-slice path, and no adapter request (the LoRA layers with nothing to add), and checks that the
 two paths sample the same tokens (`paths`). Engines in separate processes compare only loosely on a
 shared box; the paths share one engine and one process.
@@ -46,7 +46,7 @@ def compare_paths(backend, prompts, repeats: int) -> dict:
     """Interleaved calls of the one-slot path, vLLM's per-slice path and no adapter request."""
     from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
 
-    from ballast.workers.rollout import vllm_cpu_lora_ops as ops
+    from ballast.workers.rollout import vllm_internals as ops
 
     one_slot, adapter_id = PunicaWrapperCPU.add_lora_linear, backend._adapter_id
     modes = {"one_slot": (one_slot, adapter_id), "per_slice": (ops._ORIGINAL["add_lora_linear"], adapter_id),

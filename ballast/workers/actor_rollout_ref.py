@@ -132,7 +132,7 @@ class ActorRolloutRefWorker(Worker):
         self._weights_stale = has_adapter
         info: Dict[str, object] = {
             "weight_sync": str(self._sync_mode), "adapter_rank": self.actor.adapter.max_rank if has_adapter else 0,
-            "adapter_unavailable": getattr(self.rollout, "adapter_unavailable", None)}
+            "adapter_unavailable": self.rollout.adapter_unavailable}
         if check.check:
             tokens = self._probe_tokens(min(self.rollout.vocab_size, self.actor.model.config.vocab_size))
             self._check = SyncCheck(tokens, check.check_tolerance, self.rollout.config.resolved_dtype(),

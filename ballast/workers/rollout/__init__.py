@@ -7,6 +7,16 @@ call runs agent loops over a backend's core (`ballast.workers.agent_loop`):
     backend = build_backend(RolloutConfig(model_path=..., backend="vllm", sampling=SamplingConfig(...)))
     out = AgentLoopRunner(backend).generate(Batch(prompts)).tensors   # single-turn: the batched rollout
     load_weights(backend, actor_engine.iter_full_state_dict())
+
+The modules, grouped by what changes together:
+  * the backend contract and the request core: `base` (configs, `RolloutBackend`, call numbering),
+    `async_engine` (requests, `EngineCore`, the asyncio engine), `prompts` (prompt checks), `resume`
+    (partial rollouts);
+  * the vLLM backend: `vllm_backend` (engine, `VLLMCore`), `vllm_lora` (serving adapters),
+    `single_device_tp`, `vllm_shm`, and `vllm_internals`, the only module that touches vLLM's
+    private API (pinned to one vLLM version: an upgrade starts there);
+  * the HF backend: `hf_backend` (engine, `HFCore`);
+  * weight transfer: `weight_sync`.
 """
 
 from __future__ import annotations

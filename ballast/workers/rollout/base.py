@@ -295,6 +295,7 @@ class RolloutBackend(Protocol):
     vocab_size: int  # the engine's; prompt ids outside [0, vocab_size) are a ValueError
     max_model_len: int | None  # prompt + response capacity of one request (None: no limit of the engine's)
     num_calls: int  # generate calls started (`start_generate_call`): the default call_index of the next
+    adapter_unavailable: str | None  # why a requested LoRA adapter cannot be served (None: it can, or none asked)
 
     def core(self, sampling: SamplingConfig, resumable: bool = False):
         """A fresh `async_engine.EngineCore` sampling under `sampling`, every request under the served

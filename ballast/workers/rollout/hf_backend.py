@@ -106,6 +106,7 @@ class HFBackend:
         self.max_model_len = config.max_model_len
         self.num_calls = 0
         self._adapter: dict[str, torch.Tensor] | None = None  # PEFT file name -> the served adapter's tensor
+        self.adapter_unavailable: str | None = None  # PEFT serves any adapter the actor trains
 
     def core(self, sampling: SamplingConfig, resumable: bool = False) -> "HFCore":
         """The request-level core of this backend under `sampling` (see `HFCore`); `resumable` slices

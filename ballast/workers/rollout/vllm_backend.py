@@ -40,9 +40,9 @@ import torch.distributed as dist
 from .async_engine import TurnOutput, TurnRequest, check_request, finish
 from .base import RolloutConfig, SamplingConfig, resolve_special_tokens, stop_ids_for
 from .single_device_tp import peer_all_reduce_env, peer_all_reduce_kwargs, tp_peers_hidden
-from .vllm_lora import adapter_request, architecture_serves_lora, install_adapter, lora_engine_kwargs, vllm_lora_rank
-from .vllm_cpu_norm import PRIORITY as CPU_NORM_PRIORITY
-from .vllm_cpu_norm import register as register_cpu_norm
+from .vllm_internals import (CPU_NORM_PRIORITY, engine_input, install_adapter, install_cpu_lora_ops, load_into_model,
+                             register_cpu_norm)
+from .vllm_lora import adapter_request, architecture_serves_lora, lora_engine_kwargs, vllm_lora_rank
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
@@ -61,7 +61,7 @@ def engine_kwargs(config: RolloutConfig, distributed: bool, serve_lora: bool = F
                   cpu_norm_kernels: bool = False) -> dict:
     """Keyword arguments for `vllm.LLM` derived from `config` (pure; tested without vLLM). `serve_lora`:
     the engine serves an adapter of rank <= `config.max_lora_rank` (`vllm_lora`). `cpu_norm_kernels`:
-    `vllm_cpu_norm.register()` succeeded, so a CPU engine runs RMSNorm in vLLM's C++ kernels."""
+    `vllm_internals.register_cpu_norm()` succeeded, so a CPU engine runs RMSNorm in vLLM's C++ kernels."""
     on_gpu = config.resolved_device() == "cuda"
     kwargs = dict(
         model=config.model_path,
@@ -137,11 +137,6 @@ def _check_launch_env(config: RolloutConfig) -> bool:
     return True
 
 
-def _load_into_model(worker, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Run on a vLLM GPU worker: the model's own checkpoint-format `load_weights`."""
-    worker.model_runner.get_model().load_weights(weights=weights)
-
-
 class VLLMBackend:
     """Rollout backend on `vllm.LLM`; see the module docstring for the process model."""
 
@@ -165,11 +160,9 @@ class VLLMBackend:
                 self.adapter_unavailable = architecture_serves_lora(config.model_path)[1] or None
         self._serve_lora = config.max_lora_rank is not None and self.adapter_unavailable is None
         if self._serve_lora and not self.on_gpu:
-            from .vllm_cpu_lora_ops import install
-
-            install()  # vLLM's CPU LoRA ops copy the adapter per token; see vllm_cpu_lora_ops
+            install_cpu_lora_ops()  # vLLM's CPU LoRA ops copy the adapter per token; see vllm_internals
         self._adapter_id = 0  # the installed adapter's id; 0: none yet (the base model is served)
-        cpu_norm = not self.on_gpu and register_cpu_norm()  # see vllm_cpu_norm
+        cpu_norm = not self.on_gpu and register_cpu_norm()  # see vllm_internals
         with _PreservedGlobalRNG():
             self.llm = LLM(**engine_kwargs(config, self.distributed, self._serve_lora, cpu_norm))
         gc.unfreeze()
@@ -247,7 +240,7 @@ class VLLMBackend:
         counted = _Counting(named_tensors)
         if self.on_gpu:
             self._wake_weights()
-            self.llm.collective_rpc(_load_into_model, kwargs=dict(weights=counted))
+            self.llm.collective_rpc(load_into_model, kwargs=dict(weights=counted))
             self._weights_discarded = False
         else:
             self.llm.collective_rpc(
@@ -365,15 +358,12 @@ class VLLMCore:
         self._max_tokens: dict[str, int] = {}
 
     def add(self, request_id: str, request: TurnRequest) -> None:
-        from vllm.inputs import TokensPrompt
-
         backend = self.backend
         check_request(request_id, request, backend.vocab_size, backend.max_model_len)
         params = backend.request_params(self.sampling, self.stop, request.max_tokens, request.seed)
         params.output_kind = self._kind
-        # The renderer's input, as LLM.generate builds it (TokensPrompt -> engine input).
-        engine_input = backend.llm._preprocess_cmpl_one(TokensPrompt(prompt_token_ids=list(request.prompt_ids)))
-        self.engine.add_request(request_id, engine_input, params, lora_request=backend.adapter_request())
+        self.engine.add_request(request_id, engine_input(backend.llm, request.prompt_ids), params,
+                                lora_request=backend.adapter_request())
         self._max_tokens[request_id] = request.max_tokens
         if self._sofar is not None:
             self._sofar[request_id] = ([], [])

@@ -6,7 +6,7 @@ import torch
 
 lora_ops = pytest.importorskip("vllm.lora.ops.torch_ops.lora_ops")
 
-from ballast.workers.rollout import vllm_cpu_lora_ops as fast  # noqa: E402
+from ballast.workers.rollout import vllm_internals as fast  # noqa: E402
 
 SLOTS, IN, OUT, RANK, TOKENS = 3, 24, 40, 8, 11
 
@@ -47,8 +47,8 @@ def test_shrink_and_expand_equal_vllms(indices, stack4):
 def test_install_routes_vllms_cpu_path_through_the_grouped_ops():
     from vllm.lora.punica_wrapper import punica_cpu
 
-    fast.install()
-    fast.install()  # idempotent
+    fast.install_cpu_lora_ops()
+    fast.install_cpu_lora_ops()  # idempotent
     assert punica_cpu.bgmv_shrink is fast.bgmv_shrink and lora_ops.bgmv_expand is fast.bgmv_expand
     # vLLM's sgmv_* (prefill) call the bgmv_* through the ops module: they now run the grouped ones
     x, a = torch.randn(5, IN), torch.randn(SLOTS, RANK, IN)
@@ -76,7 +76,7 @@ def test_whole_layer_lora_equals_vllms_per_slice_path(ids, is_prefill):
     per-slice path writes, and every other case falls back to it; a new adapter in the slots is seen."""
     from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
 
-    fast.install()
+    fast.install_cpu_lora_ops()
     gen = torch.Generator().manual_seed(2)
     slices = (OUT, 16, 16)
     a = tuple(torch.randn(2, 1, RANK, IN, generator=gen) for _ in slices)

@@ -8,7 +8,9 @@ import torch
 
 from ballast.workers.rollout.base import RolloutConfig
 from ballast.workers.rollout.vllm_backend import engine_kwargs
-from ballast.workers.rollout.vllm_cpu_norm import PRIORITY, PROVIDER, register
+from ballast.workers.rollout.vllm_internals import CPU_NORM_PRIORITY as PRIORITY
+from ballast.workers.rollout.vllm_internals import CPU_NORM_PROVIDER as PROVIDER
+from ballast.workers.rollout.vllm_internals import register_cpu_norm as register
 
 ir = pytest.importorskip("vllm.ir")
 

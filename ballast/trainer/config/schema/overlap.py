@@ -123,7 +123,7 @@ class BallastOverlapConfig:
     `trainer.v1.separate_async.num_warmup_batches`)."""
     partial_rollout: Optional[bool]
     """Whether new weights interrupt the generations in flight, which resume under them (each token's
-    weight version is recorded). null: as verl's mode (on with `separate_async`, which then needs
-    rollout TP 1; off colocated). false with `separate_async`: every batch ahead
+    weight version is recorded). null: as verl's mode (on with `separate_async`; off colocated).
+    false with `separate_async`: every batch ahead
     finishes on the weights it started with (at most `num_warmup_batches` updates old). true colocated
     is verl's `colocate_async`: refused."""
