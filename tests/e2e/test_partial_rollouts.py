@@ -3,7 +3,9 @@ trainer's update lands while the rollout pool's conversations are in flight (eac
 its turns, like a slow tool), the rollout workers load the new weights from the mailbox mid-call and
 the conversations go on under them; every token carries the version that sampled it, so no sample is
 staler than the bound, spans show the switches, and the weight-sync check passes after every load.
-A rollout pool that fails to start is cleaned up: the next session in the process starts."""
+The actor trains a LoRA adapter, which crosses to the rollout pool merged into the weights (the route
+and the mid-call loads are those of full fine-tuning). A rollout pool that fails to start is cleaned
+up: the next session in the process starts."""
 
 import json
 import math
@@ -24,7 +26,9 @@ def test_updates_land_mid_generation_and_every_token_knows_its_version(session, 
     extra = [*SPLIT_POOLS, "trainer.v1.separate_async.num_warmup_batches=1", "actor_rollout_ref.rollout.mode=async",
              f"actor_rollout_ref.rollout.agent.agent_loop_config_path={loops}",
              "actor_rollout_ref.rollout.agent.default_agent_loop=waiting", "data.max_response_length=32",
-             "trainer.total_training_steps=3", "trainer.test_freq=-1", "trainer.val_before_train=False"]
+             "trainer.total_training_steps=3", "trainer.test_freq=-1", "trainer.val_before_train=False",
+             "actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16",
+             "actor_rollout_ref.actor.optim.lr=2e-2"]
     # first a start that fails in the rollout pool: a loop module the driver can import (it checks the
     # config at start-up) but the workers cannot. The error names it, and the failed start leaves
     # nothing behind (placement groups, actors) that would refuse the next session in the process.
@@ -38,7 +42,9 @@ def test_updates_land_mid_generation_and_every_token_knows_its_version(session, 
     with session("partial", *extra) as trainer:
         assert trainer.correction.bypass  # stale tokens: corrected by default
         trainer.fit()
-    assert "partial rollouts: new weights interrupt the generations in flight" in capfd.readouterr().out
+    out = capfd.readouterr().out
+    assert "partial rollouts: new weights interrupt the generations in flight" in out
+    assert "(merged with the LoRA adapter)" in out
     rows = [json.loads(line) for line in open(os.path.join(tmp_path, "partial", "metrics.jsonl"))]
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
