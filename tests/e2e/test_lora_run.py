@@ -1,11 +1,10 @@
 """LoRA runs through the whole driver loop: GRPO with a KL loss trains an adapter (the reference is the
 actor with its adapter off, no second model), the vLLM rollout serves each adapter version (checked after
-every sync), checkpoints hold the adapter only; tool-agent conversations whose every request names the
-served adapter; PPO with adapters on actor and critic and merged-weight
-sync, with rollout correction's bypass mode (the rollout's log-probs as the old policy) next to the
-adapter-off reference; and a run whose adapter never reaches the rollout stops, naming the cause (HF
-rollout: the check is the same code for every backend, and the vLLM run above shows it can tell vLLM
-serving the adapter from vLLM serving the base model)."""
+every sync) to tool-agent conversations whose every request names it, checkpoints hold the adapter only;
+PPO with adapters on actor and critic and merged-weight sync, with rollout correction's bypass mode (the
+rollout's log-probs as the old policy) next to the adapter-off reference; and a run whose adapter never
+reaches the rollout stops, naming the cause (HF rollout: the check is the same code for every backend,
+and the vLLM run above shows it can tell vLLM serving the adapter from vLLM serving the base model)."""
 
 import math
 import os
@@ -36,9 +35,18 @@ def _dir_bytes(path):
 
 
 @pytest.mark.vllm
-def test_lora_grpo_with_kl_serves_every_adapter_version(prepared, tmp_path, capfd):
+def test_lora_grpo_with_kl_serves_every_adapter_version_to_tool_agents(prepared, tmp_path, capfd):
+    # tool-agent conversations submit their own requests: each must name the served adapter, or vLLM
+    # would sample from the base model while the check probes the adapter (the rollout-vs-actor diff
+    # at step 2 would show it)
+    tools = tmp_path / "tools.yaml"
+    tools.write_text("tools:\n  - class_name: calculator\n    config: {type: native, timeout_s: 5}\n")
     extra = [*LORA, "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.calculate_log_probs=True",
              "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.1",
+             "actor_rollout_ref.rollout.mode=async", "actor_rollout_ref.rollout.multi_turn.enable=True",
+             f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}",
+             "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent",
+             "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2",
              "trainer.total_training_steps=2", "trainer.save_freq=2"]
     run = prepared("lora_vllm", *extra)
     spec = run.plan.specs.actor_rollout_ref
@@ -48,8 +56,10 @@ def test_lora_grpo_with_kl_serves_every_adapter_version(prepared, tmp_path, capf
     out = capfd.readouterr()
     assert "LoRA weight sync: adapter only (rank 8)" in out.out + out.err
     for key in ("rollout/sync_check/mean_abs_diff", "rollout/sync_check/adapter_effect", "actor/kl_loss",
-                "timing_s/update_weights", "training/rollout_actor_log_prob_diff/max"):
+                "timing_s/update_weights", "training/rollout_actor_log_prob_diff/max", "agent/num_turns/mean"):
         assert key in metrics and math.isfinite(metrics[key]), key
+    bad = [k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)]
+    assert not bad, bad
     # step 2 samples with the adapter of the first update: vLLM serves exactly it
     assert metrics["rollout/sync_check/mean_abs_diff"] < 1e-4
     assert metrics["rollout/sync_check/adapter_effect"] > 1e-3  # the check could have told base from adapter
@@ -58,30 +68,6 @@ def test_lora_grpo_with_kl_serves_every_adapter_version(prepared, tmp_path, capf
     ckpt = os.path.join(str(tmp_path), "lora_vllm", "global_step_2", "actor")
     model_bytes = _dir_bytes(run.cfg.actor_rollout_ref.model.path)
     assert 0 < _dir_bytes(ckpt) < model_bytes / 2, "a LoRA checkpoint holds the adapter, not the base weights"
-
-
-@pytest.mark.vllm
-def test_lora_tool_agent_requests_name_the_served_adapter(prepared, tmp_path, capfd):
-    # agent loops submit their own requests: each must name the served adapter, or vLLM would sample
-    # from the base model while the check probes the adapter (the rollout-vs-actor diff would show it)
-    tools = tmp_path / "tools.yaml"
-    tools.write_text("tools:\n  - class_name: calculator\n    config: {type: native, timeout_s: 5}\n")
-    extra = [*LORA, "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.mode=async",
-             "actor_rollout_ref.rollout.multi_turn.enable=True", f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}",
-             "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent",
-             "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2",
-             "actor_rollout_ref.rollout.calculate_log_probs=True", "trainer.total_training_steps=2"]
-    run = prepared("lora_tool_agent", *extra)
-    assert run.plan.specs.actor_rollout_ref.rollout.max_lora_rank == 8  # served, not merged
-    with training_session(run) as trainer:
-        metrics = trainer.fit()
-    out = capfd.readouterr()
-    assert "LoRA weight sync: adapter only (rank 8)" in out.out + out.err
-    assert "agent/num_turns/mean" in metrics
-    bad = [k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v)]
-    assert not bad, bad
-    assert metrics["rollout/sync_check/mean_abs_diff"] < 1e-4 < metrics["rollout/sync_check/adapter_effect"]
-    assert metrics["training/rollout_actor_log_prob_diff/max"] < 1e-3  # step 2 sampled with the adapter
 
 
 def test_ppo_with_adapters_merged_sync_bypass_correction_and_a_kl_loss(prepared, tmp_path):

@@ -35,4 +35,4 @@ def test_an_unknown_agent_name_is_named_with_its_file_and_row():
     assert "agent_loop_config_path adds loops" in problem
     assert unknown_agent_name(_plan(spec), {"tool_agent": "x"}) is None
     assert unknown_agent_name(_plan(None, rollout_agent=spec), names) == problem  # the rollout pool's loops
-    assert unknown_agent_name(_plan(None), names) is None  # rollout.mode=sync reads no agent_name
+    assert unknown_agent_name(_plan(None), names) is None  # no rollout role anywhere: no agent_name is read
