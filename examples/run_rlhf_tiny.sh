@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # RLHF on CPU, offline: a tiny reward model trained by Bradley-Terry on synthetic preference pairs of
 # the quickstart task (examples/train_reward_model_repeat.py), then GRPO (ALGO=grpo, default) or PPO
-# (ALGO=ppo: critic + GAE + KL loss) against it; SEED picks the run's seed. The reward is the reward
+# (ALGO=ppo: critic + GAE + KL loss) against it; SEED picks the run's seeds (trainer.seed and
+# actor_rollout_ref.rollout.seed, the base of every sampling seed). The reward is the reward
 # model's score alone; the rule score is logged beside it (reward_extra/rule_score, and on the
 # held-out prompts val-aux/.../rule_score). Results: docs/reward_models.md.
 #   bash examples/run_rlhf_tiny.sh [hydra overrides]
@@ -27,6 +28,6 @@ if [[ "$ALGO" == ppo ]]; then
 fi
 python -m ballast.trainer.main --config-name quickstart "${ALGO_ARGS[@]}" \
   reward.reward_model.enable=True reward.reward_model.model_path="$QS/rm" \
-  trainer.seed="$SEED" trainer.experiment_name="rlhf-$ALGO-seed$SEED" \
+  trainer.seed="$SEED" actor_rollout_ref.rollout.seed="$SEED" trainer.experiment_name="rlhf-$ALGO-seed$SEED" \
   trainer.default_local_dir="outputs/rlhf_${ALGO}_seed$SEED" \
   trainer.resume_mode=disable trainer.move_old_run_aside=true "$@"

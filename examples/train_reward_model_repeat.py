@@ -3,8 +3,10 @@ Bradley-Terry on synthetic preference pairs, and save it as a Hugging Face seque
 directory that `reward.reward_model.model_path` reads.
 
 Pairs: for a task prompt, two candidate answers (the symbol repeated a random number of times, some
-with stray characters); the one with the higher rule score (`ballast.data.rewards.repeat_score`) is
-preferred, ties dropped. The model (the policy's architecture and tokenizer, a fresh score head)
+with stray characters, some cut off unfinished at the policy's response budget, without an eos);
+the one with the higher rule score (`ballast.data.rewards.repeat_score`) is preferred, ties dropped.
+Without the unfinished answers the policy finds what the model never saw: answers that run to the
+budget without an eos scored high while their rule score stayed near 0 (docs/reward_models.md). The model (the policy's architecture and tokenizer, a fresh score head)
 reads the conversation as the trainer hands it over: the chat-templated prompt, the answer, the eos.
 Loss: -log sigmoid(r_preferred - r_other). Pairs from the training prompts train it; pairs from the
 validation prompts give the held-out pairwise accuracy, printed and written to `<out>/rm_eval.json`.
@@ -31,25 +33,29 @@ from ballast.models.reward_model import save_reward_model
 NOISE = "abcxyz*@ "
 
 
-def candidate(symbol: str, count: int, rng: random.Random) -> str:
-    """An answer of roughly the requested length, sometimes with other characters mixed in."""
-    length = max(0, int(round(count * rng.choice([rng.uniform(0.0, 2.5), rng.uniform(0.7, 1.3)]))))
+def candidate(symbol: str, count: int, rng: random.Random, budget: int):
+    """(answer, finished): roughly the requested length, sometimes with other characters mixed in;
+    unfinished ones run to `budget` characters (one token each) and get no eos."""
+    finished = rng.random() > 0.3
+    length = budget if not finished else max(0, int(round(count * rng.choice([rng.uniform(0.0, 2.5),
+                                                                                rng.uniform(0.7, 1.3)]))))
     chars = [symbol] * length
     if rng.random() < 0.4:
         for i in range(len(chars)):
             if rng.random() < rng.uniform(0.1, 0.6):
                 chars[i] = rng.choice(NOISE)
-    return "".join(chars)
+    return "".join(chars), finished
 
 
-def make_pairs(rows, per_row: int, rng: random.Random):
-    """[(prompt messages, preferred answer, other answer)] with distinct rule scores."""
+def make_pairs(rows, per_row: int, rng: random.Random, budget: int):
+    """[(prompt messages, preferred answer, other answer)] with distinct rule scores; an answer is
+    (text, finished)."""
     pairs = []
     for row in rows:
         truth = row["reward_model"]["ground_truth"]
         for _ in range(per_row):
-            a, b = candidate(truth[0], len(truth), rng), candidate(truth[0], len(truth), rng)
-            sa, sb = (repeat_score("ballast/repeat", x, truth)["score"] for x in (a, b))
+            a, b = (candidate(truth[0], len(truth), rng, budget) for _ in range(2))
+            sa, sb = (repeat_score("ballast/repeat", x[0], truth)["score"] for x in (a, b))
             if abs(sa - sb) > 1e-6:
                 pairs.append((row["prompt"], a, b) if sa > sb else (row["prompt"], b, a))
     return pairs
@@ -58,7 +64,8 @@ def make_pairs(rows, per_row: int, rng: random.Random):
 def encode(tokenizer, prompt, answer) -> list:
     ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True)
     ids = list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids)
-    return ids + tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    text, finished = answer
+    return ids + tokenizer(text, add_special_tokens=False)["input_ids"] + ([tokenizer.eos_token_id] if finished else [])
 
 
 def scores(model, tokenizer, seqs) -> torch.Tensor:
@@ -93,14 +100,15 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--budget", type=int, default=64, help="the policy's data.max_response_length")
     args = ap.parse_args()
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     tokenizer = load_tokenizer(args.model)
     if tokenizer.pad_token_id == tokenizer.eos_token_id:
         raise SystemExit("the tokenizer's pad token is its eos: the classifier would pool before the eos")
-    train = make_pairs(read_rows(Path(args.data) / "train.parquet"), 4, rng)
-    held_out = make_pairs(read_rows(Path(args.data) / "val.parquet"), 16, rng)
+    train = make_pairs(read_rows(Path(args.data) / "train.parquet"), 4, rng, args.budget)
+    held_out = make_pairs(read_rows(Path(args.data) / "val.parquet"), 16, rng, args.budget)
     model = save_reward_model(args.model, args.out, seed=args.seed)
     model.config.pad_token_id = tokenizer.pad_token_id
     print(f"[rm] {len(train)} training pairs, {len(held_out)} held-out pairs; "
