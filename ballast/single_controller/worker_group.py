@@ -86,12 +86,22 @@ class RayWorkerGroup:
         self.name, self.pool, self.worker_cls = name, pool, worker_cls
         self.timeout_s = timeout_s
         self._mesh_cache: Dict[str, tuple] = {}
-        slots = pool.slots()
-        self.world_size = len(slots)
-        threads = num_threads or max(1, int(pool.cpus_per_process * device_share))
-        remote_cls = ray.remote(worker_cls)
-        self.workers = []
-        for slot in slots:
+        self.world_size = len(pool.slots())
+        self._init = (tuple(init_args), dict(init_kwargs or {}))
+        self._device_share, self._env, self._log_dir = device_share, dict(env or {}), log_dir
+        self._threads = num_threads or max(1, int(pool.cpus_per_process * device_share))
+        self.generation = 0  # how many times the workers were replaced (`respawn`)
+        self.workers: List = []
+        self.pids: List[int] = []
+        self._spawn()
+        self._bind_registered_methods()
+
+    def _spawn(self) -> None:
+        """Start one actor per slot of the pool (each in its own placement-group bundle) and tell every
+        one the group's rendezvous address."""
+        remote_cls = ray.remote(self.worker_cls)
+        pool, threads = self.pool, self._threads
+        for slot in pool.slots():
             env_vars = {
                 # LOCAL_RANK is the slot on the node here; a GPU worker replaces it with its device
                 # ordinal at start-up (Worker.__init__), since Ray shows each GPU actor only its own GPU.
@@ -99,23 +109,59 @@ class RayWorkerGroup:
                 "BALLAST_NODE_LOCAL_RANK": str(slot.local_rank),
                 "LOCAL_WORLD_SIZE": str(len(slot.placement_group.bundle_specs)), "BALLAST_NUM_THREADS": str(threads),
                 "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), **allocator_env(pool.use_gpu),
-                **(env or {}),
+                **self._env,
             }
-            if log_dir is not None:
-                env_vars[LOG_FILE_ENV] = os.path.join(log_dir, f"{name}_rank{slot.rank}.log")
+            if self._log_dir is not None:
+                env_vars[LOG_FILE_ENV] = os.path.join(self._log_dir, f"{self.name}_rank{slot.rank}.log")
             options = dict(
                 scheduling_strategy=PlacementGroupSchedulingStrategy(slot.placement_group, slot.bundle_index),
-                num_cpus=pool.cpus_per_process * device_share, runtime_env={"env_vars": env_vars},
-                name=f"{pool.name}_{name}_{slot.rank}_{os.getpid()}_{id(self)}",
+                num_cpus=pool.cpus_per_process * self._device_share, runtime_env={"env_vars": env_vars},
+                # a replacement gets a name of its own: the killed actor's may not be released yet
+                name=f"{pool.name}_{self.name}_{slot.rank}_{os.getpid()}_{id(self)}_g{self.generation}",
             )
             if pool.use_gpu:
-                options["num_gpus"] = device_share
-            self.workers.append(remote_cls.options(**options).remote(*init_args, **(init_kwargs or {})))
-        info = self._wait([self.workers[0]._ballast_node_info.remote()], [0], "_ballast_node_info")[0]
-        self.master_addr, self.master_port = info["ip"], info["port"]
+                options["num_gpus"] = self._device_share
+            init_args, init_kwargs = self._init
+            self.workers.append(remote_cls.options(**options).remote(*init_args, **init_kwargs))
+        infos = self._wait([w._ballast_node_info.remote() for w in self.workers], list(range(self.world_size)),
+                           "_ballast_node_info")
+        self.pids = [info["pid"] for info in infos]
+        self.master_addr, self.master_port = infos[0]["ip"], infos[0]["port"]
         self._wait([w._ballast_set_master.remote(self.master_addr, self.master_port) for w in self.workers],
                    list(range(self.world_size)), "_ballast_set_master")
-        self._bind_registered_methods()
+
+    def respawn(self) -> List[int]:
+        """Replace every worker of the group with a fresh process in the same slot, built with the same
+        arguments, and return the pids that were ended. The group is one torch.distributed world, so a
+        failed or hung member is replaced together with its peers; whatever the workers held (engines,
+        weights) is gone, and the caller initialises the new ones (`init_model`, weights) before use."""
+        ended = self._end_workers()
+        self.generation += 1
+        self._mesh_cache.clear()
+        self._spawn()
+        return ended
+
+    def _end_workers(self) -> List[int]:
+        """Kill every worker (a stopped or hung one included: Ray ends its process with SIGKILL) and wait
+        until Ray reports each one dead, so that its resources are free for the replacement."""
+        pids = list(self.pids)
+        for worker in self.workers:
+            try:
+                ray.kill(worker, no_restart=True)
+            except Exception:  # already dead
+                pass
+        for worker in self.workers:
+            deadline = time.monotonic() + 30.0
+            while time.monotonic() < deadline:
+                try:
+                    ray.get(worker._ballast_node_info.remote(), timeout=1.0)
+                except RayActorError:
+                    break
+                except GetTimeoutError:
+                    continue
+                time.sleep(0.1)  # killed, not yet reported dead
+        self.workers = []
+        return pids
 
     # ------------------------------------------------------------------ method binding
     def _bind_registered_methods(self) -> None:

@@ -4,6 +4,8 @@ One 4-worker group (sp=2 for the "actor" mesh, tp=4 for the "rollout" mesh) and 
 consumer group serve most tests; worker processes cost seconds each to start on 2 cores.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -168,4 +170,47 @@ def test_a_worker_given_two_cpus_runs_two_threads_and_a_half_share_one(ray_sessi
             for g in halves:
                 g.kill()
     finally:
+        pool.remove()
+
+
+def _alive(pid: int) -> bool:
+    """Whether a local process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_respawn_replaces_a_killed_and_a_stopped_worker_in_their_slots(ray_session):
+    """A dead member and a hung one (SIGSTOP: it never answers) are replaced by fresh processes in the
+    same slots; the old processes are gone, the new ones start from nothing and answer."""
+    import signal
+
+    from toy_workers import EchoWorker
+
+    pool = ResourcePool([2], use_gpu=False, name="respawned")
+    group = RayWorkerGroup(pool, EchoWorker, name="phoenix", timeout_s=120)
+    try:
+        first = list(group.pids)
+        assert [i["pid"] for i in group.whoami()] == first
+        group.actor_step(Batch({"idx": torch.arange(4)}))  # state the replacements must not have
+        with pytest.raises(WorkerDiedError):
+            group.die_on(1)
+        assert group.respawn() == first
+        second = list(group.pids)
+        assert not set(second) & set(first) and not any(_alive(p) for p in first)
+        assert [(i["rank"], i["world"]) for i in group.whoami()] == [(0, 2), (1, 2)]
+        assert group.history() == [[], []]
+
+        os.kill(second[0], signal.SIGSTOP)
+        group.timeout_s = 2
+        with pytest.raises(WorkerTimeoutError, match=r"rank\(s\) \[0\]"):
+            group.whoami()
+        group.timeout_s = 120
+        assert group.respawn() == second and group.generation == 2
+        assert not any(_alive(p) for p in second)
+        assert [i["pid"] for i in group.whoami()] == group.pids
+    finally:
+        group.kill()
         pool.remove()
