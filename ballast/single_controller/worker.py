@@ -65,6 +65,8 @@ def _ray_gpu_ids() -> list:
 
 # Set by the worker group when the run keeps worker output in files (see `RayWorkerGroup(log_dir=)`).
 LOG_FILE_ENV = "BALLAST_WORKER_LOG_FILE"
+# How many times the group replaced its workers before starting this one (0: an original worker).
+GENERATION_ENV = "BALLAST_WORKER_GENERATION"
 
 
 def redirect_output(path: str) -> None:

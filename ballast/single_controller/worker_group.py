@@ -26,7 +26,7 @@ from ballast.single_controller.decorator import Dispatch, Execute, Registration,
 from ballast.single_controller.dispatch import concat_results, mesh_layout, split_args
 from ballast.single_controller.errors import WorkerDiedError, WorkerError, WorkerTimeoutError
 from ballast.single_controller.resource_pool import ResourcePool
-from ballast.single_controller.worker import LOG_FILE_ENV
+from ballast.single_controller.worker import GENERATION_ENV, LOG_FILE_ENV
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -68,8 +68,9 @@ class BatchFuture:
         if side:
             self._group._wait([r for r, _ in side], [rank for _, rank in side], self._method)
 
-    def get(self) -> Any:
-        values = self._group._wait(self._all_refs, self._ranks, self._method)
+    def get(self, timeout_s: Optional[float] = None) -> Any:
+        """The concatenated results; `timeout_s` replaces the group's timeout for this wait."""
+        values = self._group._wait(self._all_refs, self._ranks, self._method, timeout_s)
         by_ref = dict(zip(self._all_refs, values))
         return concat_results([by_ref[r] for r in self.chunk_refs], self.pad_count, f"{self._group.name}.{self._method}")
 
@@ -109,7 +110,7 @@ class RayWorkerGroup:
                 "BALLAST_NODE_LOCAL_RANK": str(slot.local_rank),
                 "LOCAL_WORLD_SIZE": str(len(slot.placement_group.bundle_specs)), "BALLAST_NUM_THREADS": str(threads),
                 "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), **allocator_env(pool.use_gpu),
-                **self._env,
+                GENERATION_ENV: str(self.generation), **self._env,
             }
             if self._log_dir is not None:
                 env_vars[LOG_FILE_ENV] = os.path.join(self._log_dir, f"{self.name}_rank{slot.rank}.log")
@@ -249,9 +250,11 @@ class RayWorkerGroup:
         return self._mesh_cache[role]
 
     # ------------------------------------------------------------------ waiting and errors
-    def _wait(self, refs: List, ranks: List[int], method: str) -> List[Any]:
-        """Results of `refs` in order; the first failure, death or timeout raises at once, naming the rank."""
-        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+    def _wait(self, refs: List, ranks: List[int], method: str, timeout_s: Optional[float] = None) -> List[Any]:
+        """Results of `refs` in order; the first failure, death or timeout (`timeout_s`, else the group's)
+        raises at once, naming the rank."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         index_of = {ref: i for i, ref in enumerate(refs)}
         results: List[Any] = [None] * len(refs)
         pending = list(refs)
@@ -261,7 +264,7 @@ class RayWorkerGroup:
             if not ready:
                 late = sorted(ranks[index_of[r]] for r in pending)
                 raise WorkerTimeoutError(
-                    f"{self.name}.{method}: worker rank(s) {late} did not finish within {self.timeout_s:.0f}s "
+                    f"{self.name}.{method}: worker rank(s) {late} did not finish within {timeout_s:.0f}s "
                     "(raise trainer.worker_timeout_s if the step is legitimately slow)"
                 )
             ref = ready[0]
@@ -304,6 +307,12 @@ class RayWorkerGroup:
         """Where each worker runs, in rank order: `ip`, `pid`, `node_id`, its torch `threads` (and a free
         `port` on its node)."""
         return self.execute_all("_ballast_node_info")
+
+    def ping(self, timeout_s: float) -> List[Dict[str, Any]]:
+        """Every worker's `placement()` entry, or WorkerDiedError / WorkerTimeoutError naming the first
+        worker that is gone or does not answer within `timeout_s` (a health check)."""
+        return self._wait([w._ballast_node_info.remote() for w in self.workers], list(range(self.world_size)),
+                          "ping", timeout_s)
 
     def execute_all(self, method: str, *args, **kwargs) -> List[Any]:
         """Call an unregistered worker method on every worker with the same arguments."""

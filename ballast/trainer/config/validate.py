@@ -106,6 +106,13 @@ def _check_ranges(cfg: BallastConfig) -> None:
     if data.val_batch_size is not None:
         _at_least("data.val_batch_size", data.val_batch_size, 1)
     _at_least("trainer.worker_timeout_s", t.worker_timeout_s, 0.0, inclusive=False)
+    recovery = t.ballast_rollout_recovery
+    _at_least("trainer.ballast_rollout_recovery.max_restarts", recovery.max_restarts, 0)
+    _at_least("trainer.ballast_rollout_recovery.health_check_timeout_s", recovery.health_check_timeout_s, 0.0,
+              inclusive=False)
+    if recovery.generate_timeout_s is not None:
+        _at_least("trainer.ballast_rollout_recovery.generate_timeout_s", recovery.generate_timeout_s, 0.0,
+                  inclusive=False)
     if cfg.reward.timeout_s is not None:
         _at_least("reward.timeout_s", cfg.reward.timeout_s, 0.0, inclusive=False)
     _at_least("ray_init.timeout_s", cfg.ray_init.timeout_s, 0.0, inclusive=False)

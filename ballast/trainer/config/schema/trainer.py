@@ -14,6 +14,22 @@ ResumeMode = choice("ResumeMode", __name__, "auto", "disable", "resume_path")
 
 
 @dataclass(frozen=True)
+class RolloutRecoveryConfig:
+    """Ballast's own keys (verl has no rollout fault tolerance): what the driver does when a rollout worker
+    dies, raises from its engine or stops answering (docs/reliability.md, "The rollout side")."""
+
+    max_restarts: int
+    """How many times per run the rollout workers may be replaced; the next failure stops the run (exit 3)
+    naming the worker. 0: a rollout failure stops the run at once."""
+    generate_timeout_s: Optional[float]
+    """A generate call still unanswered after this many seconds counts as a hung rollout worker, which is
+    replaced; null: only `trainer.worker_timeout_s` bounds it (and stops the run)."""
+    health_check_timeout_s: float
+    """Before the first call after a failure, and after every replacement, each rollout worker must answer
+    a ping within this many seconds."""
+
+
+@dataclass(frozen=True)
 class TrainerConfig:
     device: str
     """`auto` (CUDA when available), `cpu` or `cuda`."""
@@ -80,6 +96,8 @@ class TrainerConfig:
     """verl's V1 trainer modes (docs/off_policy.md)."""
     ballast_overlap: BallastOverlapConfig
     """Ballast's own overlap settings, outside verl's keys (docs/off_policy.md)."""
+    ballast_rollout_recovery: RolloutRecoveryConfig
+    """Replacing failed rollout workers, outside verl's keys (docs/reliability.md)."""
 
 
 @dataclass(frozen=True)

@@ -145,6 +145,8 @@ INVALID = [
       "actor_rollout_ref.actor.bucket_boundaries=[64,32]"], "actor_rollout_ref.actor.bucket_boundaries: bucket_boundaries=[64, 32] must be"),
     (["actor_rollout_ref.actor.optim.lr=0"], "actor_rollout_ref.actor.optim.lr=0"),
     (["trainer.cpus_per_worker=0"], "trainer.cpus_per_worker=0"),
+    (["trainer.ballast_rollout_recovery.max_restarts=-1"], "trainer.ballast_rollout_recovery.max_restarts=-1"),
+    (["trainer.ballast_rollout_recovery.generate_timeout_s=0"], "trainer.ballast_rollout_recovery.generate_timeout_s=0"),
     (["trainer.device=tpu"], "trainer.device: engine device must be one of ('auto', 'cpu', 'cuda'), got 'tpu'"),
     (["critic.ppo_micro_batch_size_per_gpu=3"], "critic.ppo_micro_batch_size_per_gpu=3"),
     (["actor_rollout_ref.actor.ppo_mini_batch_size=16"], "ppo_mini_batch_size=16 must be in"),
