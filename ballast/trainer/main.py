@@ -34,6 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ballast.models.weights_check import ModelFilesError, check_model_files
 from ballast.trainer.run import fault_injection, signals
+from ballast.workers.rollout import faults as rollout_faults
 from ballast.trainer.config import BallastConfig, ConfigError, ModelInfo, to_typed, uses_critic
 from ballast.trainer.config.gpu_memory import check_rollout_gpu_memory_at_start
 from ballast.trainer.run.ray_session import RaySession, RayUnavailableError, probe_ray_address, start_ray  # noqa: F401
@@ -96,6 +97,7 @@ def prepare_typed(cfg: BallastConfig) -> PreparedRun:
     cfg = absolute_paths(cfg)
     try:
         fault_injection.armed()  # a BALLAST_KILL_AT naming no point: refused before anything starts
+        rollout_faults.armed()  # the same for BALLAST_ROLLOUT_FAULT
     except ValueError as err:
         raise InputError(str(err)) from None
     model = ModelInfo.from_dir(cfg.actor_rollout_ref.model.path)
