@@ -62,7 +62,9 @@ from ballast.trainer.step.metrics import data_metrics, rollout_probs_diff_metric
 from ballast.trainer.step.monitor import BalanceMonitor, micro_batch_metrics, rank_load_metrics
 from ballast.trainer.step.old_log_probs import OldLogProbPhase, old_log_prob_metrics
 from ballast.trainer.step.plans import StepPlanner, epoch_partitions, plan_metrics, row_lengths
-from ballast.workers.actor_rollout_ref import GENERATE_SECONDS_METRIC, PARTIAL_LOADS_METRIC, UPDATE_WEIGHTS_METRIC
+from ballast.workers.actor_rollout_ref import GENERATE_SECONDS_METRIC
+from ballast.workers.spec import GenerateArgs
+from ballast.workers.weight_sources import PARTIAL_LOADS_METRIC, UPDATE_WEIGHTS_METRIC
 from ballast.workers.sync_check import METRIC_PREFIX as SYNC_CHECK_PREFIX
 from ballast.workers.agent_loop.metrics import agent_metrics
 from ballast.workers.rollout.base import validation_call_index
@@ -122,7 +124,7 @@ class RayPPOTrainer:
         self.rollouts = RolloutPipeline(self.data.next_prompts, self.launch_rollout, self.finish_rollout,
                                         self.overlap.batches_ahead, self.total_steps)
         # separate_async: the weights travel to the rollout pool
-        self.rollout_weights = RolloutWeights(workers, self.overlap.partial_rollout)
+        self.rollout_weights = RolloutWeights(workers)
         self.monitor = BalanceMonitor(tracker, self.total_steps, cfg.trainer.enable_monitor,
                                       cfg.trainer.monitor_interval, sizes.actor.token_budget(sizes.actor.train))
         self.resumed_from: Optional[str] = None  # the checkpoint `resume` loaded
@@ -292,8 +294,8 @@ class RayPPOTrainer:
         """Repeat step's prompts n times each (adjacent, same uid) and submit their generation without
         waiting (main thread: this fixes the weights that generate them, see RolloutPipeline)."""
         batch = prompts.repeat(self.cfg.actor_rollout_ref.rollout.n, interleave=True)
-        future = self.rollout_weights.call(self.workers.generator.submit, "generate_sequences", batch, call_index=step,
-                                           interruptible=True)
+        future = self.rollout_weights.call(self.workers.generator.submit, "generate_sequences", batch,
+                                           call=GenerateArgs(call_index=step))
         return PendingRollout(step, self._weights_version, future, time.perf_counter())
 
     def finish_rollout(self, pending: PendingRollout) -> Rollout:
@@ -334,9 +336,9 @@ class RayPPOTrainer:
                                     "batches are not trained on") from None
             with _timer(rollout.timing, "gen"):
                 more = prompts.repeat(self.cfg.actor_rollout_ref.rollout.n, interleave=True)
+                index = step + num_gen * EXTRA_GENERATION_CALL_STRIDE
                 out = self.rollout_weights.call(self.workers.generator.generate_sequences, more,
-                                                call_index=step + num_gen * EXTRA_GENERATION_CALL_STRIDE,
-                                                interruptible=True)
+                                                call=GenerateArgs(call_index=index))
                 batch = self._generated(out, rollout.timing, rollout.metrics)
             with _timer(rollout.timing, "reward"):
                 extras = self._score(batch, step)
@@ -410,9 +412,8 @@ class RayPPOTrainer:
         val = self.data.val.repeat(self.cfg.actor_rollout_ref.rollout.val_kwargs.n, interleave=True)
         outputs = []
         for i, chunk in enumerate(val.split(self.data.val_batch_size or len(val))):
-            outputs.append(self.rollout_weights.call(self.workers.generator.generate_sequences, chunk,
-                                                     call_index=validation_call_index(self.global_step, i),
-                                                     validate=True).batch)
+            call = GenerateArgs(call_index=validation_call_index(self.global_step, i), validate=True)
+            outputs.append(self.rollout_weights.call(self.workers.generator.generate_sequences, chunk, call=call).batch)
         out = Batch.concat(outputs) if len(outputs) > 1 else outputs[0]
         scores, extras = self.reward(out)
         per_sample = scores.sum(-1).numpy()

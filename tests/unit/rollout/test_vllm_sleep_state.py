@@ -24,7 +24,8 @@ from ballast.protocol import Batch
 from ballast.workers import actor_rollout_ref
 from ballast.workers.actor_rollout_ref import ActorRolloutRefWorker
 from ballast.workers.agent_loop import AgentLoopRunner
-from ballast.workers.spec import WeightSyncSpec
+from ballast.workers.spec import GenerateArgs, WeightSyncSpec
+from ballast.workers.weight_sources import ColocatedActorWeights
 from ballast.workers.rollout.base import RolloutConfig, SamplingConfig
 from ballast.workers.rollout import vllm_backend
 from ballast.workers.rollout.vllm_backend import VLLMBackend
@@ -190,8 +191,8 @@ def _worker(tmp_path, sleep_level, actor=None):
     worker.actor = actor or FakeActor()
     worker.rollout = VLLMBackend(config)
     worker._agents = AgentLoopRunner(worker.rollout)
-    worker.rollout.sleep()  # as init_model: the memory goes to training until the first rollout
-    worker._init_weight_sync()
+    worker._weights = ColocatedActorWeights(worker.rollout, worker.actor, worker.spec.weight_sync)
+    worker._weights.start()  # as init_model: the memory goes to training until the first rollout
     return worker
 
 
@@ -200,7 +201,7 @@ def _response(worker) -> list[int]:
     ids = torch.tensor([[5, 6, 7]])
     prompts = Batch({"input_ids": ids, "attention_mask": torch.ones_like(ids),
                      "position_ids": torch.arange(3)[None]})
-    out = worker.generate_sequences(prompts).batch
+    out = worker.generate_sequences(prompts, GenerateArgs()).batch
     return [int(t) for t, kept in zip(out.tensors["responses"][0], out.tensors["response_mask"][0]) if kept]
 
 

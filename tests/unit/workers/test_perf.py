@@ -41,9 +41,9 @@ def test_peak_is_measured_on_cpu_and_looked_up_on_gpu(monkeypatch):
 def test_the_old_log_prob_pass_reports_verls_actor_infer_mfu():
     """The old-log-prob pass's MFU carries verl's name, `perf/mfu/actor_infer`."""
     from ballast.protocol import Batch
-    from ballast.workers.actor_rollout_ref import ActorRolloutRefWorker
+    from ballast.workers.actor_rollout_ref import TrainerWorker
 
-    worker = ActorRolloutRefWorker(SimpleNamespace(actor_infer=None, temperature=1.0))
+    worker = TrainerWorker(SimpleNamespace(actor_infer=None, temperature=1.0))
     worker.actor = _engine()
     worker.actor.infer_batch = lambda data, spec, **kw: {"log_probs": torch.zeros(2, 2), "entropy": torch.ones(2, 2)}
     worker._peak_flops = 1e6

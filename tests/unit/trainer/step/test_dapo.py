@@ -15,6 +15,7 @@ from ballast.trainer.step.dynamic_sampling import filter_metric_values, informat
 from ballast.trainer.ray_trainer import DynamicSamplingError, RayPPOTrainer
 from ballast.trainer.step.reward import OverlongBuffer, RewardManager
 from ballast.trainer.step.rollout_weights import RolloutWeights
+from ballast.workers.spec import GenerateArgs
 from ballast.trainer.step.rollout_pipeline import (STALENESS, Ahead, PendingRollout, load_rollouts_ahead,
                                                    save_rollouts_ahead, staleness_metrics)
 
@@ -69,8 +70,8 @@ def _trainer(overrides, rewards_per_call, make_prompts=None, rollout=None):
     trainer = object.__new__(RayPPOTrainer)
     calls = SimpleNamespace(n=0, indices=[], prefixes=[])
 
-    def generate_sequences(batch, call_index=None, validate=False):
-        calls.indices.append(call_index)
+    def generate_sequences(batch, call=GenerateArgs()):
+        calls.indices.append(call.call_index)
         if rollout is not None:
             batch = rollout(batch)
         synced = {"timing_s/update_weights": [0.25, 0.5]} if len(calls.indices) == 1 else {}
@@ -101,7 +102,7 @@ def _take(trainer, prompts, step, version=None):
     """A step's rollout as the trainer takes it: generated from `prompts` by weights `version` (default:
     the latest, step - 1), scored on the pipeline's thread, then filled on the main thread."""
     first = trainer.workers.actor_rollout.generate_sequences(
-        prompts.repeat(trainer.cfg.actor_rollout_ref.rollout.n, interleave=True), call_index=step)
+        prompts.repeat(trainer.cfg.actor_rollout_ref.rollout.n, interleave=True), GenerateArgs(call_index=step))
     version = step - 1 if version is None else version
     pending = PendingRollout(step, version, SimpleNamespace(get=lambda: first), time.perf_counter())
     trainer._weights_version = step - 1
@@ -181,7 +182,8 @@ def test_an_ahead_batch_short_of_groups_is_filled_with_the_latest_weights():
     # the further batch runs when step 5 is taken, with version 4, the weights after step 4
     trainer, calls = _trainer([], [[1, 1, 0, 1], [0, 1, 1, 1]])
     prompts = Batch({"x": torch.zeros(2, 1)}, {"uid": np.array(["s-0", "s-1"], dtype=object)})
-    first = trainer.workers.actor_rollout.generate_sequences(prompts.repeat(2, interleave=True), call_index=5)
+    first = trainer.workers.actor_rollout.generate_sequences(prompts.repeat(2, interleave=True),
+                                                             GenerateArgs(call_index=5))
     pending = PendingRollout(5, 2, SimpleNamespace(get=lambda: first), time.perf_counter())
     trainer._weights_version = 2
     short = trainer.finish_rollout(pending)  # the pipeline's thread: no generation beyond the launched one
@@ -198,7 +200,8 @@ def test_an_ahead_batch_short_of_groups_is_filled_with_the_latest_weights():
 def test_a_short_ahead_batch_survives_a_checkpoint(tmp_path):
     trainer, _ = _trainer([], [[1, 1, 0, 1], [0, 1, 1, 1]])
     prompts = Batch({"x": torch.zeros(2, 1)}, {"uid": np.array(["s-0", "s-1"], dtype=object)})
-    first = trainer.workers.actor_rollout.generate_sequences(prompts.repeat(2, interleave=True), call_index=3)
+    first = trainer.workers.actor_rollout.generate_sequences(prompts.repeat(2, interleave=True),
+                                                             GenerateArgs(call_index=3))
     short = trainer.finish_rollout(PendingRollout(3, 1, SimpleNamespace(get=lambda: first), time.perf_counter()))
     save_rollouts_ahead(str(tmp_path), Ahead([short]))
     (restored,) = load_rollouts_ahead(str(tmp_path)).rollouts
