@@ -98,14 +98,14 @@ class Transcript:
             if log_probs is None or len(log_probs) != len(ids):
                 raise ValueError(f"{len(ids)} sampled ids need as many log-probs, got "
                                  f"{None if log_probs is None else len(log_probs)}")
-            self.log_probs.extend(float(x) for x in log_probs)
-        self.response_ids.extend(int(t) for t in ids)
+            self.log_probs.extend(map(float, log_probs))
+        self.response_ids.extend(map(int, ids))
         self.mask.extend([1] * len(ids))
-        self.versions.extend([-1] * len(ids) if versions is None else (int(v) for v in versions))
+        self.versions.extend([-1] * len(ids) if versions is None else map(int, versions))
         self._any_version |= versions is not None
 
     def add_inserted(self, ids: Sequence[int]) -> None:
-        self.response_ids.extend(int(t) for t in ids)
+        self.response_ids.extend(map(int, ids))
         self.mask.extend([0] * len(ids))
         self.versions.extend([-1] * len(ids))
         if self.log_probs is not None:

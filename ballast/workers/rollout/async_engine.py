@@ -64,7 +64,7 @@ class TurnRequest:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
+        object.__setattr__(self, "prompt_ids", tuple(map(int, self.prompt_ids)))
         if not self.prompt_ids:
             raise ValueError("a turn request needs at least one prompt token")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -89,10 +89,10 @@ def finish(tokens: Sequence[int], log_probs: Sequence[float] | None, stop: Seque
     """A TurnOutput from an engine's raw ids: cut after the first stop id and at max_tokens."""
     cut = truncate_at_stop(tokens, frozenset(stop))[:max_tokens]
     reason = "stop" if cut and cut[-1] in stop else "length"
-    lps = None if log_probs is None else tuple(float(x) for x in log_probs[: len(cut)])
+    lps = None if log_probs is None else tuple(map(float, log_probs[: len(cut)]))
     if lps is not None and len(lps) != len(cut):
         raise RuntimeError(f"engine returned {len(lps)} log-probs for {len(cut)} tokens")
-    return TurnOutput(tuple(int(t) for t in cut), lps, reason)
+    return TurnOutput(tuple(map(int, cut)), lps, reason)
 
 
 def check_request(request_id: str, request: TurnRequest, vocab_size: int, max_model_len: int | None) -> None:
