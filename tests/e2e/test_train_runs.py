@@ -1,5 +1,5 @@
-"""Few-step GRPO and PPO runs through the whole driver loop (PPO/GAE on tool-agent conversations), and
-exact resume from a checkpoint."""
+"""Few-step GRPO runs through the whole driver loop, and exact resume from a checkpoint. (PPO/GAE on
+tool-agent conversations with verl's separate old-log-prob pass: row 0 of tests/e2e/test_rollout_matrix.py.)"""
 
 import json
 import os
@@ -7,10 +7,7 @@ import re
 import shutil
 
 import pytest
-import torch
 
-from ballast.trainer.algorithms import masked_whiten
-from testkit.agent import build_tool_calling_model
 from testkit.e2e import STEP_METRICS, WITH_ROLLOUT_LOG_PROBS, assert_finite
 
 MONITOR = re.compile(r"DynamicBatchMonitor: dp_rank_[01] - avg_tokens=\d+, max_tokens=\d+, min_tokens=\d+, "
@@ -43,58 +40,6 @@ def test_grpo_run_trains_and_reports_every_metric(session, tmp_path, capfd):
     rows = [json.loads(line) for line in open(os.path.join(tmp_path, "grpo", "metrics.jsonl"))]
     assert [r["step"] for r in rows] == [1, 2]
     assert os.path.isfile(os.path.join(tmp_path, "grpo", "charts", "balance_step_1.png"))
-
-
-def test_ppo_run_on_tool_conversations_with_critic_gae_and_verls_separate_old_log_prob_pass(session, tmp_path):
-    # tool-agent conversations [calculator call | tool response, mask 0 | call] from the tiny model
-    # rewired to call the calculator on every turn (random models never call tools), trained with GAE;
-    # with the shortcut off (old_log_prob_from_update=False) the old log-probs come from verl's separate
-    # forward pass before the update, as verl computes them; the rollout's own log-probs check each row
-    tools = tmp_path / "tools.yaml"
-    tools.write_text("tools:\n  - class_name: calculator\n    config: {type: native, timeout_s: 5}\n")
-    agent = [f"actor_rollout_ref.model.path={build_tool_calling_model(tmp_path / 'model')}",
-             "actor_rollout_ref.rollout.mode=async", "actor_rollout_ref.rollout.multi_turn.enable=True",
-             "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent",
-             f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}",
-             "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2"]
-    extra = ["algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_dynamic_bsz=False",
-             "actor_rollout_ref.rollout.calculate_log_probs=True", "actor_rollout_ref.actor.old_log_prob_from_update=False",
-             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-             "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4", "critic.ppo_micro_batch_size_per_gpu=2",
-             "critic.optim.lr=1e-3", "actor_rollout_ref.actor.use_kl_loss=True",
-             "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4",
-             # whole replicas (the CPU configs' setting): actor and critic train under DDP, the
-             # reference is a frozen plain module; the other runs here shard with FSDP2
-             "actor_rollout_ref.actor.fsdp_config.fsdp_size=1", "critic.fsdp_config.fsdp_size=1"]
-    with session("ppo", *extra, *agent) as trainer:
-        assert trainer.old_log_probs.mode == "pass"
-        trained = []  # the batch of each critic update: what the driver computed for the step
-        update_critic = trainer.workers.critic.update_critic
-        trainer.workers.critic.update_critic = lambda batch, plan: trained.append(batch) or update_critic(batch, plan)
-        metrics = trainer.fit()
-    assert_finite(metrics, [k for k in STEP_METRICS if k != "perf/num_micro_batches"] + [
-        "critic/vf_loss", "critic/vf_clipfrac", "critic/values/mean", "critic/returns/mean", "critic/grad_norm",
-        "actor/kl_loss", "timing_s/values", "timing_s/ref", "timing_s/update_critic", "perf/mfu/actor_infer",
-        "training/rollout_actor_log_prob_diff/max"])
-    assert metrics["training/rollout_actor_log_prob_diff/max"] < 1e-3
-    assert len(trained) == 2 and metrics["agent/tool_calls/total"] > 0
-    for batch in trained:
-        _assert_every_turn_is_credited_with_the_score(batch)
-
-
-def _assert_every_turn_is_credited_with_the_score(batch):
-    """GAE over [turn | tool response (mask 0) | turn]: with gamma = lam = 1 (verl's defaults) every
-    sampled token's return is its conversation's score (the values telescope), the first turn's too (a
-    tool response is no episode end), and the advantages are the whitened returns minus values."""
-    mask = batch["response_mask"].bool()
-    assert (mask[:, 1:] & ~mask[:, :-1]).any(dim=1).all()  # every response has a turn after a tool response
-    first_turn = mask.long().cumprod(dim=1).bool()
-    score = batch["token_level_rewards"].sum(dim=1, keepdim=True).expand_as(mask)
-    assert (score[:, 0] > 0).all()  # the repeat task's partial credit: the next check is not 0 == 0
-    torch.testing.assert_close(batch["returns"][mask], score[mask])
-    expected = masked_whiten((batch["returns"] - batch["values"]) * mask, mask)
-    torch.testing.assert_close(batch["advantages"], expected, rtol=1e-4, atol=1e-5)
-    assert (batch["advantages"][first_turn] != 0).all()
 
 
 COMPARED = ["critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/ppo_kl", "actor/entropy",
