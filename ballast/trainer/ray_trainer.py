@@ -64,6 +64,7 @@ from ballast.trainer.step.old_log_probs import OldLogProbPhase, old_log_prob_met
 from ballast.trainer.step.plans import StepPlanner, epoch_partitions, plan_metrics, row_lengths
 from ballast.workers.actor_rollout_ref import GENERATE_SECONDS_METRIC
 from ballast.workers.spec import GenerateArgs
+from ballast.trainer.step.rollout_recovery import RECOVERIES_METRIC, RECOVERY_SECONDS_METRIC, rollout_recovery
 from ballast.workers.weight_sources import PARTIAL_LOADS_METRIC, UPDATE_WEIGHTS_METRIC
 from ballast.workers.sync_check import METRIC_PREFIX as SYNC_CHECK_PREFIX
 from ballast.workers.agent_loop.metrics import agent_metrics
@@ -124,7 +125,7 @@ class RayPPOTrainer:
         self.rollouts = RolloutPipeline(self.data.next_prompts, self.launch_rollout, self.finish_rollout,
                                         self.overlap.batches_ahead, self.total_steps)
         # separate_async: the weights travel to the rollout pool
-        self.rollout_weights = RolloutWeights(workers)
+        self.rollout_weights = RolloutWeights(workers, rollout_recovery(workers, cfg.trainer.ballast_rollout_recovery))
         self.monitor = BalanceMonitor(tracker, self.total_steps, cfg.trainer.enable_monitor,
                                       cfg.trainer.monitor_interval, sizes.actor.token_budget(sizes.actor.train))
         self.resumed_from: Optional[str] = None  # the checkpoint `resume` loaded
@@ -294,8 +295,7 @@ class RayPPOTrainer:
         """Repeat step's prompts n times each (adjacent, same uid) and submit their generation without
         waiting (main thread: this fixes the weights that generate them, see RolloutPipeline)."""
         batch = prompts.repeat(self.cfg.actor_rollout_ref.rollout.n, interleave=True)
-        future = self.rollout_weights.call(self.workers.generator.submit, "generate_sequences", batch,
-                                           call=GenerateArgs(call_index=step))
+        future = self.rollout_weights.submit(batch, GenerateArgs(call_index=step))
         return PendingRollout(step, self._weights_version, future, time.perf_counter())
 
     def finish_rollout(self, pending: PendingRollout) -> Rollout:
@@ -337,8 +337,7 @@ class RayPPOTrainer:
             with _timer(rollout.timing, "gen"):
                 more = prompts.repeat(self.cfg.actor_rollout_ref.rollout.n, interleave=True)
                 index = step + num_gen * EXTRA_GENERATION_CALL_STRIDE
-                out = self.rollout_weights.call(self.workers.generator.generate_sequences, more,
-                                                call=GenerateArgs(call_index=index))
+                out = self.rollout_weights.generate(more, GenerateArgs(call_index=index))
                 batch = self._generated(out, rollout.timing, rollout.metrics)
             with _timer(rollout.timing, "reward"):
                 extras = self._score(batch, step)
@@ -355,6 +354,11 @@ class RayPPOTrainer:
             timing["update_weights"] = timing.get("update_weights", 0.0) + sync_s
         metrics.update({k: max(v) for k, v in out.metrics.items()
                         if (k.startswith(SYNC_CHECK_PREFIX) or k == PARTIAL_LOADS_METRIC) and v})
+        # replacements of the rollout pool (driver) and engines rebuilt in place (workers), 0 when none
+        metrics[RECOVERIES_METRIC] = metrics.get(RECOVERIES_METRIC, 0.0) + sum(out.metrics.get(RECOVERIES_METRIC, []))
+        recovery_s = sum(out.metrics.get(RECOVERY_SECONDS_METRIC, []))
+        if recovery_s:
+            timing["rollout_recovery"] = timing.get("rollout_recovery", 0.0) + recovery_s
         busy = out.metrics.get(GENERATE_SECONDS_METRIC)
         if busy:
             timing["gen_workers"] = timing.get("gen_workers", 0.0) + max(busy)
@@ -413,7 +417,7 @@ class RayPPOTrainer:
         outputs = []
         for i, chunk in enumerate(val.split(self.data.val_batch_size or len(val))):
             call = GenerateArgs(call_index=validation_call_index(self.global_step, i), validate=True)
-            outputs.append(self.rollout_weights.call(self.workers.generator.generate_sequences, chunk, call=call).batch)
+            outputs.append(self.rollout_weights.generate(chunk, call).batch)
         out = Batch.concat(outputs) if len(outputs) > 1 else outputs[0]
         scores, extras = self.reward(out)
         per_sample = scores.sum(-1).numpy()

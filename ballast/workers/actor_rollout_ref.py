@@ -37,14 +37,19 @@ from ballast.workers.on_policy import OldLogProbMode, SelfOldLogProbLoss, rows_a
 from ballast.workers.perf import mfu_metrics, peak_flops
 from ballast.workers.rollout import build_backend
 from ballast.workers.rollout.base import RolloutBackend, resolve_rollout_dtype
+from ballast.workers.rollout.faults import FaultState, RolloutEngineError, engine_failures
 from ballast.workers.spec import ActorRolloutRefSpec, GenerateArgs
 from ballast.workers.sync_check import start_log_probs
 from ballast.workers.train_loop import UpdateResult, run_train_loop
 from ballast.workers.weight_sources import (
-    ColocatedActorWeights, MailboxWeights, StoredExportWeights, WeightSource, probe_for, trainer_dtype,
+    ColocatedActorWeights, MailboxWeights, StoredExportWeights, WeightSource, add_metrics, probe_for, trainer_dtype,
 )
 
 GENERATE_SECONDS_METRIC = "timing_s/generate_on_worker"  # the call's own seconds (sync + generation)
+# engines rebuilt in place during the call (0 or 1 per worker) and the seconds that took; the driver
+# adds them to the replacements of a rollout pool it made itself (`trainer.step.rollout_recovery`)
+RECOVERIES_METRIC = "rollout/recoveries"
+RECOVERY_SECONDS_METRIC = "timing_s/rollout_recovery"
 ENGINE_KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
 
 
@@ -213,27 +218,70 @@ class RolloutRole:
 
     def _build_rollout(self) -> None:
         tp = self.spec.rollout.tensor_model_parallel_size
-        group = new_tp_group(tp) if tp > 1 else None
+        self._tp_group = new_tp_group(tp) if tp > 1 else None
+        self._faults = FaultState(self.rank)
+        self._build_engine()
+
+    def _build_engine(self) -> None:
+        tp = self.spec.rollout.tensor_model_parallel_size
+        group = self._tp_group
         self.rollout = build_backend(_per_engine_seed(self.spec.rollout, self.rank // tp))
         if group is not None and torch.distributed.get_process_group_ranks(group) != self.rollout.tp_group_ranks:
             raise RuntimeError(f"TP group ranks {torch.distributed.get_process_group_ranks(group)} differ from "
                                f"the engine's TP group {self.rollout.tp_group_ranks}")
         self._agents = AgentLoopRunner(self.rollout, self.spec.agent, group)
 
+    def _recover_engine(self, failure: Optional[Exception], call: GenerateArgs, metrics) -> float:
+        """After a generation in which some rank's engine failed (`failure` on this one, or None): a
+        failed engine is replaced with a new one and every rank the weight source ties together brings
+        its engine to the weights it served (colocated: the actor's weights, a collective sync on every
+        rank), so a rank that failed can generate its chunk again; the seconds it took. A TP group would
+        have to rebuild as a unit: every rank then raises, none is left waiting."""
+        if self._tp_group is not None:
+            raise RolloutEngineError(f"rollout rank {self.rank}: a rollout engine failed ({failure}); an engine "
+                                     "of a tensor-parallel group is not rebuilt in place")
+        start = time.perf_counter()
+        if failure is not None:
+            print(f"[ballast] rollout rank {self.rank}: the engine failed ({failure}); rebuilding it in place",
+                  flush=True)
+            try:
+                self.rollout.shutdown()
+            except Exception as stuck:  # a failed engine may not stop cleanly; the new one replaces it anyway
+                print(f"[ballast] rollout rank {self.rank}: the failed engine's shutdown raised {stuck!r}", flush=True)
+            self._build_engine()
+        self._weights.rebind(self.rollout)
+        add_metrics(metrics, self._weights.before(call))
+        return time.perf_counter() - start
+
+    def _generate(self, prompts: Batch, call: GenerateArgs):
+        sampling = self.spec.rollout_val_sampling if call.validate else None
+        return self._agents.generate(prompts, sampling, call_index=call.call_index, updates=self._weights.during(call))
+
     @register(Dispatch.DP_COMPUTE_PROTO, pad=True)
     def generate_sequences(self, prompts: Batch, call: GenerateArgs) -> Output:
         """Prompts (left-padded) -> prompts + responses, one agent-loop conversation per row (the
         single-turn loop unless the row or the config names another), under the weights the worker's
         source brings (`call.weights`, and mid-call ones with partial rollouts: they interrupt the turns
-        in flight, which resume under them). Metrics: the weight syncs' seconds
-        (`timing_s/update_weights`) when this call synced, the weight-sync check's figures, and how many
-        loads landed mid-call (`rollout/partial/weight_loads`)."""
+        in flight, which resume under them). An engine that fails is rebuilt in place and its chunk
+        generated again with the same seeds (`_recover_engine`). Metrics: the weight syncs' seconds
+        (`timing_s/update_weights`) when this call synced, the weight-sync check's figures, how many
+        loads landed mid-call (`rollout/partial/weight_loads`) and engines rebuilt (`rollout/recoveries`)."""
         call_start = time.perf_counter()
         metrics = self._weights.before(call)
-        sampling = self.spec.rollout_val_sampling if call.validate else None
-        result = self._agents.generate(prompts, sampling, call_index=call.call_index,
-                                       updates=self._weights.during(call))
+        failure, result, rebuilt = None, None, 0.0
+        try:
+            if not call.validate:
+                self._faults.at_generate(call.call_index)
+            result = self._generate(prompts, call)
+        except engine_failures() as err:  # the conversations start over, with their own seeds, on a new engine
+            failure = err
+        if self._weights.any_failed(failure is not None):
+            rebuilt = self._recover_engine(failure, call, metrics)
+            if failure is not None:
+                result = self._generate(prompts, call)
         self._weights.after(metrics)
+        metrics[RECOVERIES_METRIC] = [float(failure is not None)]
+        metrics[RECOVERY_SECONDS_METRIC] = [rebuilt if failure is not None else 0.0]
         metrics[GENERATE_SECONDS_METRIC] = [time.perf_counter() - call_start]
         non_tensors = {**prompts.non_tensors, **result.columns}
         return Output(Batch(result.tensors, non_tensors=non_tensors, meta=dict(prompts.meta)), metrics)

@@ -22,6 +22,7 @@ from typing import Dict, Optional
 
 import torch
 
+from ballast.engine.dist import device_of
 from ballast.engine.parallelize import compute_dtype
 from ballast.models import load_tokenizer
 from ballast.single_controller.object_store import MailboxUpdates, StoredWeights, iter_buckets
@@ -53,6 +54,16 @@ class WeightSource:
 
     def after(self, metrics: Metrics) -> None:
         pass
+
+    def rebind(self, backend) -> None:
+        """After an engine failure: `backend` (a new engine, or on a rank whose engine survived, the same
+        one) is brought to the weights the failed one served by the next `before`."""
+        raise NotImplementedError
+
+    def any_failed(self, failed_here: bool) -> bool:
+        """Whether a rank this source ties together had its engine fail in this call (every such rank
+        calls it, once per call). Exports are loaded rank by rank: only this rank's failure counts."""
+        return failed_here
 
 
 def probe_for(spec: WeightSyncSpec, vocab_size: int) -> tuple:
@@ -115,19 +126,40 @@ class ColocatedActorWeights(WeightSource):
     def after(self, metrics: Metrics) -> None:
         self.backend.sleep()
 
+    def rebind(self, backend) -> None:
+        # a new engine holds the model directory's weights; the sync gathers over every rank, so each
+        # one takes part (a surviving engine gets the weights it has again)
+        self.backend, self.stale = backend, True
+
+    def any_failed(self, failed_here: bool) -> bool:
+        """One all-reduce per call: the actor's weights reach an engine by a collective gather."""
+        if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+            return failed_here
+        flag = torch.tensor([float(failed_here)], device=device_of(self.actor.parallel.device_type))
+        torch.distributed.all_reduce(flag)
+        return bool(flag.item())
+
 
 class StoredExportWeights(WeightSource):
     def __init__(self, backend, spec: WeightSyncSpec, rank: int) -> None:
         self.backend, self.spec, self.rank = backend, spec, rank
         self.version = -1  # the weight version the engine serves (-1: the model directory's)
+        self._served: Optional[StoredWeights] = None  # ... and the export it came from
+        self._reload: Optional[StoredWeights] = None  # what a rebuilt engine must load first
         self._check: Optional[SyncCheck] = None
 
     def before(self, call: GenerateArgs) -> Metrics:
         self.backend.wake_up()
+        metrics: Metrics = {}
+        if self._reload is not None:
+            metrics, self._reload = self.load(self._reload), None
         weights = call.weights
-        if weights is None or weights.version <= self.version:  # none, or loaded mid-call before
-            return {}
-        return self.load(weights)
+        if weights is not None and weights.version > self.version:  # else none, or loaded mid-call before
+            add_metrics(metrics, self.load(weights))
+        return metrics
+
+    def rebind(self, backend) -> None:
+        self.backend, self.version, self._reload = backend, -1, self._served
 
     def load(self, weights: StoredWeights) -> Metrics:
         """Stream an export in from the object store, then check it against the trainer's probe log-probs
@@ -143,7 +175,7 @@ class StoredExportWeights(WeightSource):
         if loaded != weights.num_tensors:
             raise RuntimeError(f"rollout rank {self.rank} loaded {loaded} of the {weights.num_tensors} exported tensors")
         metrics: Metrics = {UPDATE_WEIGHTS_METRIC: [time.perf_counter() - start]}
-        self.version = weights.version
+        self.version, self._served = weights.version, weights
         if checked:
             what = f"weight version {weights.version} from the trainer pool"
             metrics.update(_timed(lambda: self._check.verdict(self._served_probe(),

@@ -11,7 +11,9 @@ from collections import Counter
 import pytest
 
 from testkit.e2e import SPLIT_POOLS, run_dir
-from testkit.resume import assert_same_parameters, assert_trained_like, kill_at, metrics_rows, run_in_process
+from testkit.resume import (
+    assert_same_parameters, assert_trained_like, deterministic, kill_at, metrics_rows, run_in_process,
+)
 
 AHEAD = (*SPLIT_POOLS, "trainer.v1.separate_async.num_warmup_batches=1", "trainer.total_training_steps=5")
 WHOLE_BATCHES = ("trainer.ballast_overlap.partial_rollout=false", "trainer.save_freq=1")
@@ -60,3 +62,45 @@ def test_partial_rollouts_killed_after_an_update_train_every_prompt_once(uninter
         assert r[f"{OFF}/trajectory_staleness_worst/max"] <= 1, r  # every token within the bound
     # the mailbox was used: an update reached a generation in flight (1 s waits against ~0.1 s updates)
     assert any(r["rollout/partial/weight_loads"] >= 1 for r in rows), rows
+
+
+RECOVERY_KEYS = ("rollout/recoveries", "timing_s/rollout_recovery")
+
+
+def _stopped_processes():
+    """pids of this machine's processes stopped by a signal (state T)."""
+    import os
+
+    stopped = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[-1].split()[0] == "T":
+                    stopped.append(int(pid))
+        except OSError:
+            continue
+    return stopped
+
+
+@pytest.mark.parametrize("fault, extra", [("kill@3", ()), ("hang@4", ("trainer.ballast_rollout_recovery.generate_timeout_s=20",))],
+                         ids=["killed", "hung"])
+def test_a_rollout_worker_killed_or_hung_mid_generation_costs_the_run_nothing(fault, extra, uninterrupted, tiny_task,
+                                                                             e2e_ray, tmp_path, monkeypatch):
+    """The rollout worker dies (SIGKILL) or stops answering (SIGSTOP) while a batch ahead generates:
+    the driver replaces it, brings it to the weights that batch was launched under and generates the
+    batch again with its own seeds; the run trains every row of the uninterrupted run at the same
+    step, logs the same metrics and ends on the same parameters. Nothing is left stopped."""
+    monkeypatch.setenv("BALLAST_ROLLOUT_FAULT", fault)
+    before = set(_stopped_processes())
+    run = run_in_process(tiny_task, run_dir(tmp_path, "faulty"), *AHEAD, *WHOLE_BATCHES, *extra,
+                         "ray_init.worker_env_vars=[BALLAST_ROLLOUT_FAULT]")
+    assert run.trained == uninterrupted.trained
+    assert [r["rollout/recoveries"] for r in run.rows].count(1.0) == 1 and sum(r["rollout/recoveries"] for r in run.rows) == 1
+    for straight, again in zip(uninterrupted.rows, run.rows):
+        expected, got = deterministic(straight), deterministic(again)
+        assert sorted(got) == sorted(expected)
+        for key, value in expected.items():
+            if key not in ENGINE_HISTORY and key not in RECOVERY_KEYS:
+                assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-7), (straight["step"], key)
+    assert_same_parameters(uninterrupted, run)
+    assert not set(_stopped_processes()) - before

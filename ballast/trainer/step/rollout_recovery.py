@@ -21,15 +21,15 @@ resumes from its last checkpoint).
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, List
 
 from ballast.single_controller import RayWorkerGroup, WorkerDiedError, WorkerError, WorkerTimeoutError
 from ballast.trainer.config.schema.trainer import RolloutRecoveryConfig
+from ballast.workers.actor_rollout_ref import RECOVERIES_METRIC, RECOVERY_SECONDS_METRIC
 
-RECOVERIES_METRIC = "rollout/recoveries"
-RECOVERY_SECONDS_METRIC = "timing_s/rollout_recovery"
 ENGINE_ERROR = "RolloutEngineError"
 KEY = "trainer.ballast_rollout_recovery"
 
@@ -53,8 +53,12 @@ class GuardedCall:
     future: object
     generation: int
     recovery: "RolloutRecovery"
+    replacements: int = 0  # the pool replacements this call's failure caused
+    seconds: float = 0.0  # ... and what they took
 
     def get(self):
+        """The call's `Output`, its metrics counting the replacements it caused (`rollout/recoveries`,
+        `timing_s/rollout_recovery`)."""
         while True:
             try:
                 result = self.future.get(timeout_s=self.recovery.config.generate_timeout_s)
@@ -64,6 +68,8 @@ class GuardedCall:
                 self.recovery.recover(err, self)
                 continue
             self.recovery.done(self)
+            result.metrics[RECOVERIES_METRIC] = [float(self.replacements)]
+            result.metrics[RECOVERY_SECONDS_METRIC] = [self.seconds]
             return result
 
 
@@ -76,27 +82,36 @@ class RolloutRecovery:
     config: RolloutRecoveryConfig
     restarts: int = 0
     _live: List[GuardedCall] = field(default_factory=list)
-    _pending_metrics: Dict[str, float] = field(default_factory=dict)
+    # Calls are submitted on the driver's main thread and waited for (and recovered) on the pipeline's
+    # helper thread: a submission waits for a replacement in progress, so that every call in flight on
+    # the old workers reaches the new ones before any later call does.
+    _lock: threading.RLock = field(default_factory=threading.RLock)
 
     def submit(self, submit: Callable[[], object], again: Callable[[], object]) -> GuardedCall:
         """Submit a generate call under recovery: `submit()` and `again()` return the group's future,
         the latter for the same call on replaced workers (with the weights the first was submitted
         under, which the new workers do not have)."""
-        call = GuardedCall(again, submit(), self.group.generation, self)
-        self._live.append(call)
-        return call
+        with self._lock:
+            call = GuardedCall(again, submit(), self.group.generation, self)
+            self._live.append(call)
+            return call
 
     def done(self, call: GuardedCall) -> None:
-        self._live = [c for c in self._live if c is not call]
+        with self._lock:
+            self._live = [c for c in self._live if c is not call]
 
     def recover(self, err: WorkerError, failed: GuardedCall) -> None:
         """Replace the pool if `failed` ran on the current workers, then submit again every call still
         in flight on replaced ones, in submission order."""
-        if failed.generation == self.group.generation:
-            self._replace(err)
-        for call in self._live:  # in submission order; `failed` is among them
-            if call.generation < self.group.generation:
-                call.future, call.generation = call.resubmit(), self.group.generation
+        with self._lock:
+            if failed.generation == self.group.generation:
+                start = time.perf_counter()
+                self._replace(err)
+                failed.replacements += 1
+                failed.seconds += time.perf_counter() - start
+            for call in self._live:  # in submission order; `failed` is among them
+                if call.generation < self.group.generation:
+                    call.future, call.generation = call.resubmit(), self.group.generation
 
     def _replace(self, err: WorkerError) -> None:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
@@ -115,14 +130,12 @@ class RolloutRecovery:
         except WorkerError as again:
             raise RolloutFailedError(f"the replaced rollout pool did not start (pids before: {ended}): {again}") from None
         seconds = time.perf_counter() - start
-        self._pending_metrics[RECOVERIES_METRIC] = self._pending_metrics.get(RECOVERIES_METRIC, 0.0) + 1
-        self._pending_metrics[RECOVERY_SECONDS_METRIC] = self._pending_metrics.get(RECOVERY_SECONDS_METRIC, 0.0) + seconds
         print(f"[ballast] rollout pool replaced in {seconds:.1f}s; the calls in flight run again with their own seeds "
               "and weights", flush=True)
 
-    def step_metrics(self) -> Dict[str, float]:
-        """Recoveries since the last call (0 when none), for the step's metrics."""
-        metrics = {RECOVERIES_METRIC: 0.0, RECOVERY_SECONDS_METRIC: 0.0, **self._pending_metrics}
-        self._pending_metrics = {}
-        return metrics
 
+def rollout_recovery(workers, config: RolloutRecoveryConfig) -> "RolloutRecovery | None":
+    """The recovery of a rollout pool of its own (None when the rollout is colocated)."""
+    if workers.rollout is None:
+        return None
+    return RolloutRecovery(workers.rollout, lambda group: group.init_model(), config)

@@ -17,17 +17,22 @@ then has nothing to load.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional, TypeVar
+from typing import Optional
 
+from ballast.trainer.step.rollout_recovery import RolloutRecovery
 from ballast.workers.spec import GenerateArgs
-
-T = TypeVar("T")
 
 
 class RolloutWeights:
-    def __init__(self, workers) -> None:
+    def __init__(self, workers, recovery: Optional[RolloutRecovery] = None) -> None:
+        """`recovery`: how a failed rollout pool is replaced (split pools; None: colocated, where the
+        workers rebuild a failed engine in place)."""
         self.workers = workers
+        self.recovery = recovery
         self._pending: Optional[object] = None  # the export no generate call has carried yet
+        # The newest export: a replaced rollout pool has to be brought to it (it holds one more copy of
+        # the weights in the object store until the next export replaces it).
+        self._latest: Optional[object] = None
 
     @property
     def split(self) -> bool:
@@ -36,15 +41,26 @@ class RolloutWeights:
     def export(self, version: int) -> None:
         """Export the trainer's current weights as `version` (split pools only)."""
         if self.split:
-            self._pending = self.workers.actor_rollout.export_weights(version)[0]
+            self._pending = self._latest = self.workers.actor_rollout.export_weights(version)[0]
             if self.workers.mailbox is not None:
                 self.workers.mailbox.post.remote(self._pending)
 
-    def call(self, generate: Callable[..., T], *args, call: GenerateArgs) -> T:
-        """`generate(*args, call)`, `call` carrying the pending export (`weights`) if there is one; the
-        export is handed over once, when the call was submitted without an error."""
-        if self._pending is None:
-            return generate(*args, call)
-        result = generate(*args, dataclasses.replace(call, weights=self._pending))
+    def submit(self, prompts, call: GenerateArgs):
+        """Submit `generate_sequences(prompts, call)` to the generating group without waiting; `call`
+        carries the pending export (`weights`) if there is one, handed over once. The returned future's
+        `get()` gives the `Output`; on split pools it survives a failed rollout pool: the call runs again
+        on the replacement, under the weights it was submitted under."""
+        group = self.workers.generator
+        first = call if self._pending is None else dataclasses.replace(call, weights=self._pending)
+        if self.recovery is None:
+            future = group.submit("generate_sequences", prompts, first)
+        else:
+            again = dataclasses.replace(call, weights=self._latest)
+            future = self.recovery.submit(lambda: group.submit("generate_sequences", prompts, first),
+                                          lambda: group.submit("generate_sequences", prompts, again))
         self._pending = None
-        return result
+        return future
+
+    def generate(self, prompts, call: GenerateArgs):
+        """`submit` and wait: the `Output`."""
+        return self.submit(prompts, call).get()

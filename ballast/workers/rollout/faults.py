@@ -31,6 +31,19 @@ class RolloutEngineError(RuntimeError):
     """The inference engine failed inside a living worker: it can be rebuilt in place."""
 
 
+def engine_failures() -> tuple:
+    """The exception types that mean the inference engine itself failed (so a new one may succeed):
+    ours, and vLLM's dead-engine and failed-generation errors when vLLM is loaded in this process."""
+    types = [RolloutEngineError]
+    if "vllm" in sys.modules:
+        try:
+            from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+        except ImportError:  # a vLLM without them (or a stand-in module in tests)
+            return tuple(types)
+        types += [EngineDeadError, EngineGenerateError]
+    return tuple(types)
+
+
 class Fault(NamedTuple):
     kind: str
     call_index: int

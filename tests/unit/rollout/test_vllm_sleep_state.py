@@ -25,6 +25,7 @@ from ballast.workers import actor_rollout_ref
 from ballast.workers.actor_rollout_ref import ActorRolloutRefWorker
 from ballast.workers.agent_loop import AgentLoopRunner
 from ballast.workers.spec import GenerateArgs, WeightSyncSpec
+from ballast.workers.rollout.faults import FaultState
 from ballast.workers.weight_sources import ColocatedActorWeights
 from ballast.workers.rollout.base import RolloutConfig, SamplingConfig
 from ballast.workers.rollout import vllm_backend
@@ -191,6 +192,7 @@ def _worker(tmp_path, sleep_level, actor=None):
     worker.actor = actor or FakeActor()
     worker.rollout = VLLMBackend(config)
     worker._agents = AgentLoopRunner(worker.rollout)
+    worker._faults, worker._tp_group = FaultState(0, {}), None
     worker._weights = ColocatedActorWeights(worker.rollout, worker.actor, worker.spec.weight_sync)
     worker._weights.start()  # as init_model: the memory goes to training until the first rollout
     return worker

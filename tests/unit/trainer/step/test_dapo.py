@@ -90,7 +90,10 @@ def _trainer(overrides, rewards_per_call, make_prompts=None, rollout=None):
 
     trainer.cfg = cfg
     trainer._weights_version = 0
-    rollout_group = SimpleNamespace(generate_sequences=generate_sequences)
+    def submit(method, *args):  # the group's non-blocking call: the future's get() runs it
+        return SimpleNamespace(get=lambda timeout_s=None: getattr(rollout_group, method)(*args))
+
+    rollout_group = SimpleNamespace(generate_sequences=generate_sequences, submit=submit)
     trainer.workers = SimpleNamespace(actor_rollout=rollout_group, generator=rollout_group, rollout=None)
     trainer.rollout_weights = RolloutWeights(trainer.workers)
     trainer.reward = reward

@@ -37,7 +37,16 @@ class FakeFuture:
     def get(self, timeout_s=None):
         if self.generation == self.group.doomed:
             raise self.group.error
-        return f"{self.name}@g{self.generation}"
+        return FakeOutput(f"{self.name}@g{self.generation}")
+
+
+class FakeOutput(str):
+    """A generation's result: its name, and the metrics the recovery adds."""
+
+    def __new__(cls, name):
+        out = super().__new__(cls, name)
+        out.metrics = {}
+        return out
 
 
 def _recovery(group, max_restarts=3):
@@ -55,13 +64,14 @@ def test_one_failure_replaces_once_and_runs_every_call_in_flight_again_in_order(
     group = FakeGroup()
     rec, inits = _recovery(group)
     calls = [_submit(rec, group, f"step{s}", f"v{s - 1}") for s in (3, 4, 5)]  # two batches ahead
-    assert [c.get() for c in calls] == ["step3@g1", "step4@g1", "step5@g1"]
+    outs = [c.get() for c in calls]
+    assert outs == ["step3@g1", "step4@g1", "step5@g1"]
     assert rec.restarts == 1 and inits == [group]
     # each call once on the new workers, in launch order, each with the weights it was launched under
     assert group.log[3:] == [(1, "step3", "v2"), (1, "step4", "v3"), (1, "step5", "v4")]
-    metrics = rec.step_metrics()
-    assert metrics["rollout/recoveries"] == 1 and metrics["timing_s/rollout_recovery"] >= 0
-    assert rec.step_metrics()["rollout/recoveries"] == 0  # counted once
+    # the replacement is counted once, on the call whose failure caused it
+    assert [o.metrics["rollout/recoveries"] for o in outs] == [[1.0], [0.0], [0.0]]
+    assert outs[0].metrics["timing_s/rollout_recovery"][0] >= 0
 
 
 def test_a_call_submitted_after_the_replacement_is_not_run_twice():
