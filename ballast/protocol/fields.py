@@ -25,9 +25,9 @@ metrics = the step's and validation's metrics.
 | attention_mask | (B, P+R) | int64 | data, rollout | rollout, engine, reward, planner, metrics | 1 on real prompt and response tokens, 0 on padding |
 | position_ids | (B, P+R) | int64 | data, rollout | rollout, engine, planner | 0-based position of each real token |
 | response_mask | (B, R) | int64 | rollout, correction | engine, actor loss, critic loss, reward, advantages, correction, metrics | 1 on response tokens that count in losses, 0 elsewhere |
-| rollout_log_probs | (B, R) | float32 | rollout | correction, metrics | response-token log-prob reported by the rollout engine |
+| rollout_log_probs | (B, R) | float32 | rollout | actor loss, advantages, correction, metrics | response-token log-prob reported by the rollout engine (bypass correction: the old policy's) |
 | rollout_versions | (B, R) | int64 | rollout | metrics | partial rollouts: weight version that sampled each token, -1 else |
-| old_log_probs | (B, R) | float32 | actor, correction | actor loss, advantages, correction, metrics | response-token log-prob under the actor before the update |
+| old_log_probs | (B, R) | float32 | actor | actor loss, advantages, correction, metrics | response-token log-prob under the actor before the update (never the rollout's) |
 | entropy | (B, R) | float32 | actor | metrics | actor's entropy at each response token, before the update |
 | ref_log_prob | (B, R) | float32 | ref | actor loss, advantages | response-token log-prob under the reference policy |
 | values | (B, R) | float32 | critic | critic loss, advantages, metrics | critic value estimate at each response token |
@@ -162,12 +162,14 @@ FIELDS: dict[str, FieldSpec] = {
         FieldSpec("response_mask", _RESP, _I64, "1 on response tokens that count in losses, 0 elsewhere",
                   (ROLLOUT, CORRECTION),
                   (ENGINE, ACTOR_LOSS, CRITIC_LOSS, REWARD, ADVANTAGES, CORRECTION, METRICS)),
-        FieldSpec("rollout_log_probs", _RESP, _F32, "response-token log-prob reported by the rollout engine",
-                  (ROLLOUT,), (CORRECTION, METRICS)),
+        FieldSpec("rollout_log_probs", _RESP, _F32,
+                  "response-token log-prob reported by the rollout engine (bypass correction: the old policy's)",
+                  (ROLLOUT,), (ACTOR_LOSS, ADVANTAGES, CORRECTION, METRICS)),
         FieldSpec("rollout_versions", _RESP, _I64, "partial rollouts: weight version that sampled each token, -1 else",
                   (ROLLOUT,), (METRICS,)),
-        FieldSpec("old_log_probs", _RESP, _F32, "response-token log-prob under the actor before the update",
-                  (ACTOR, CORRECTION), (ACTOR_LOSS, ADVANTAGES, CORRECTION, METRICS)),
+        FieldSpec("old_log_probs", _RESP, _F32,
+                  "response-token log-prob under the actor before the update (never the rollout's)",
+                  (ACTOR,), (ACTOR_LOSS, ADVANTAGES, CORRECTION, METRICS)),
         FieldSpec("entropy", _RESP, _F32, "actor's entropy at each response token, before the update",
                   (ACTOR,), (METRICS,)),
         FieldSpec("ref_log_prob", _RESP, _F32, "response-token log-prob under the reference policy",

@@ -226,7 +226,8 @@ def training_session(prepared: PreparedRun, raw_config: Optional[dict] = None,
 
             reward = combined_reward(cfg, reward, reward.tokenizer, prepared.rm_tokenizer, plan.specs.reward_model,
                                      workers.reward_model)
-        trainer = RayPPOTrainer(cfg, plan.sizes, prepared.data, workers, reward, tracker, model_config)
+        trainer = RayPPOTrainer(cfg, plan.sizes, prepared.data, workers, reward, tracker, model_config,
+                                plan.old_log_probs)
         trainer.resume(resume)
         yield trainer
     except BaseException as err:

@@ -29,9 +29,10 @@ What this driver leaves out of verl's `RayPPOTrainer.fit`, and why:
    the whole batch once generated, on resident workers planned like every forward-only phase
    (`ballast.trainer.step.reward_model`). No generative judge and no ReMax baseline generation.
 4. Old log-probs come from the actor, unless rollout correction's bypass mode takes the rollout
-   engine's (`ballast.trainer.step.rollout_correction`). The rollout's own log-probs, when
-   requested, feed the mismatch metrics (`rollout_corr/*`, `training/rollout_actor_log_prob_diff`)
-   and the correction.
+   engine's; where they come from is one value decided at start-up (`OldLogProbSource`,
+   `ballast.trainer.step.old_log_probs`), which also owns the parsed rollout-correction settings.
+   The rollout's own log-probs, when requested, feed the mismatch metrics (`rollout_corr/*`,
+   `training/rollout_actor_log_prob_diff`) and the correction.
 5. No profiler hooks, rollout dumps or preemption handling in the loop: checkpoints at `save_freq`
    and at the last step, and `resume_mode=auto`, cover restarts.
 """
@@ -60,7 +61,7 @@ from ballast.trainer.run.data import DataExhausted, RunData
 from ballast.trainer.step.dynamic_sampling import DynamicSamplingError, GroupCollector  # noqa: F401 (re-exported)
 from ballast.trainer.step.metrics import data_metrics, rollout_probs_diff_metrics, throughput_metrics, timing_metrics
 from ballast.trainer.step.monitor import BalanceMonitor, micro_batch_metrics, rank_load_metrics
-from ballast.trainer.step.old_log_probs import OldLogProbPhase, old_log_prob_metrics
+from ballast.trainer.step.old_log_probs import OldLogProbSource, old_log_prob_metrics, run_pass, take_from_update
 from ballast.trainer.step.plans import StepPlanner, epoch_partitions, plan_metrics, row_lengths
 from ballast.workers.actor_rollout_ref import GENERATE_SECONDS_METRIC
 from ballast.workers.spec import GenerateArgs
@@ -69,13 +70,12 @@ from ballast.workers.weight_sources import PARTIAL_LOADS_METRIC, UPDATE_WEIGHTS_
 from ballast.workers.sync_check import METRIC_PREFIX as SYNC_CHECK_PREFIX
 from ballast.workers.agent_loop.metrics import agent_metrics
 from ballast.workers.rollout.base import validation_call_index
-from ballast.workers.on_policy import OldLogProbMode
 from ballast.trainer.step.reward import RewardManager
 from ballast.trainer.run.workers import Workers
 from ballast.trainer.run.tracking import Tracker, format_validation, progress_postfix
 from ballast.trainer.step.val_metrics import validation_metrics
 from ballast.trainer.run import fault_injection, signals
-from ballast.trainer.step.rollout_correction import RolloutCorrectionPhase, rollout_correction_settings
+from ballast.trainer.step.rollout_correction import RolloutCorrectionPhase
 from ballast.trainer.step.advantage_phase import rewards_and_advantages
 from ballast.trainer.step.rollout_weights import RolloutWeights
 from ballast.trainer.step.rollout_pipeline import (PendingRollout, Rollout, RolloutPipeline, idle_metrics,
@@ -105,7 +105,8 @@ class NonFiniteStepsError(RuntimeError):
 
 class RayPPOTrainer:
     def __init__(self, cfg: BallastConfig, sizes: DerivedSizes, data: RunData, workers: Workers,
-                 reward: RewardManager, tracker: Tracker, model_config: dict) -> None:
+                 reward: RewardManager, tracker: Tracker, model_config: dict,
+                 old_log_probs: OldLogProbSource) -> None:
         self.cfg, self.sizes, self.data, self.workers = cfg, sizes, data, workers
         self.reward, self.tracker = reward, tracker
         self.ckpt = CheckpointManager(cfg.trainer.default_local_dir, cfg.trainer.max_actor_ckpt_to_keep)
@@ -114,9 +115,10 @@ class RayPPOTrainer:
         workload = cfg.trainer.balance_workload
         self.workload = FlopsModel.from_hf_config(model_config) if workload == "flops" else workload
         self.total_steps = data.total_steps
-        self.actor_loss_cfg = actor_loss_config(cfg)
-        self.correction = RolloutCorrectionPhase(rollout_correction_settings(cfg))
-        self.old_log_probs = OldLogProbPhase(cfg, sizes, self.correction.corr)
+        # decided once at start-up (`RunPlan.old_log_probs`), with the rollout-correction settings
+        self.old_log_probs = old_log_probs
+        self.actor_loss_cfg = actor_loss_config(cfg, old_log_probs)
+        self.correction = RolloutCorrectionPhase(old_log_probs.correction)
         self.global_step = 0
         self._nonfinite_in_a_row = 0
         self._pending_metrics: Dict[str, float] = {}  # measured after a step's row was logged
@@ -214,7 +216,7 @@ class RayPPOTrainer:
                     u.metrics.update(self.correction.after_update(u.batch, u.actor_plan, u.results))
             metrics.update(merge_local_metrics([u.metrics for u in updates], [len(u.batch) for u in updates]))
             batch = updates[0].batch if len(updates) == 1 else Batch.concat([u.batch for u in updates])
-        actor_key = "train_log_probs" if self.correction.bypass else "old_log_probs"
+        actor_key = self.old_log_probs.actor_column
         metrics.update(old_log_prob_metrics(batch, self.actor_loss_cfg, actor_key))
         metrics.update(data_metrics(batch, self.cfg.data.max_response_length, self.sizes.use_critic))
         metrics.update(agent_metrics(batch.non_tensors))  # turns, tools, stop reasons
@@ -238,12 +240,11 @@ class RayPPOTrainer:
         record, in row order (its batch: the share, with what it computed)."""
         whole = StepPlanner(self.cfg, self.sizes, self.workload, batch, self.global_step, self.workers.objectives)
         separate_pass = self.old_log_probs.runs_pass(updates_actor)
-        self.correction.before_old_log_probs(batch)
         if separate_pass:
             with _timer(timing, "balance"):
                 pass_plan = whole.inference("actor")
             with _timer(timing, "old_log_prob"):
-                metrics.update(self.old_log_probs.run_pass(self.workers.actor_rollout, batch, pass_plan))
+                metrics.update(run_pass(self.workers.actor_rollout, batch, pass_plan))
         if self.sizes.use_reference:
             with _timer(timing, "ref"):
                 self.infer(batch, self.workers.actor_rollout.compute_ref_log_prob, whole.inference("ref"))
@@ -269,7 +270,7 @@ class RayPPOTrainer:
             with _timer(timing, "values"):
                 self.infer(batch, self.workers.critic.compute_values, plans.inference("critic"))
         metrics.update(rewards_and_advantages(batch, self.cfg.algorithm, self.kl_ctrl, self.correction,
-                                              lambda name: _timer(timing, name)))
+                                              lambda name: _timer(timing, name), self.old_log_probs.column))
         if self.sizes.use_critic:
             with _timer(timing, "update_critic"):
                 critic_plan = plans.update("critic")
@@ -386,11 +387,11 @@ class RayPPOTrainer:
     def update_actor(self, batch: Batch, plan: PhasePlan, plans: StepPlanner, separate_pass: bool):
         """The actor update on `batch[plan.rows]`: (metrics, every DP rank's `UpdateResult`). When the
         update computed the old log-probs, they and their entropies are written into `batch`."""
-        mode = OldLogProbMode.PASS if separate_pass else self.old_log_probs.mode
+        mode = self.old_log_probs.update_mode(separate_pass)
         rest = plans.after_first_mini_batch(plan) if mode.from_update else None
         results = self.workers.actor_rollout.update_actor(batch[plan.rows], plan, mode, rest)
         if mode.from_update:
-            self.old_log_probs.take_from_update(batch, results, plan)
+            take_from_update(batch, results, plan)
         metrics = dict(results[0].metrics)
         metrics.update(plan_metrics(plan, "actor"))
         metrics.update(actor_constant_metrics(self.actor_loss_cfg))

@@ -141,7 +141,7 @@ class ActorRoles:
         """Train on this rank's chunk of `batch[plan.rows]`. With `old_log_probs` "update"/"partial" the
         old log-probs come from the update itself: a forward-only pass over the rows after the first
         mini-batch (planned by `rest_plan`), then the first mini-batch's own; both are returned. With
-        "rollout" (bypass rollout correction: `old_log_probs` holds the rollout's) the log-probs each
+        "rollout" (bypass rollout correction: the loss reads `rollout_log_probs`) the log-probs each
         row had when it was trained are returned instead."""
         actor = self._require(self.actor, "actor")
         data = engine_input(batch, columns_read_by(ACTOR_LOSS))

@@ -21,7 +21,7 @@ from ballast.balance import MicroBatchMode, MicroBatchPolicy, plan_phase
 from ballast.engine import EngineConfig, OptimConfig, TrainEngine
 from ballast.protocol import Batch
 from ballast.trainer.algorithms.policy_loss import ActorLossConfig, actor_loss
-from ballast.trainer.step.old_log_probs import OldLogProbPhase
+from ballast.trainer.step.old_log_probs import take_from_update
 from ballast.trainer.step.plans import plan_after_first_mini_batch
 from ballast.workers.actor_rollout_ref import TrainerWorker
 from ballast.workers.on_policy import OldLogProbMode
@@ -86,7 +86,7 @@ def _run(rank: int, world: int, model_dir: str) -> None:
     results: list = [None] * world
     dist.all_gather_object(results, result_b)
     filled = step[torch.arange(len(step))]
-    OldLogProbPhase.take_from_update(filled, results, plan)
+    take_from_update(filled, results, plan)
     mask = step["response_mask"].bool()
     torch.testing.assert_close(filled["old_log_probs"][mask], expected[mask], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(filled["entropy"][mask], expected_entropy[mask], rtol=1e-5, atol=1e-5)

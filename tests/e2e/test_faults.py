@@ -21,6 +21,7 @@ from ballast.trainer.run.preflight import resume_point
 from ballast.balance import MicroBatchMode, MicroBatchPolicy, plan_phase
 from ballast.protocol import Batch
 from ballast.trainer.ray_trainer import NonFiniteStepsError, RayPPOTrainer
+from ballast.trainer.step.old_log_probs import old_log_prob_source
 from ballast.workers.train_loop import UpdateResult
 
 from testkit.e2e import killed_on_exit, last_line, latest_step, overrides, start_trainer, wait_for
@@ -56,7 +57,9 @@ def _driver(tmp_path, skipped, limit, *extra):
     data = SimpleNamespace(total_steps=10, state_dict=lambda: {"epoch": 0, "position": 0},
                            load_state_dict=lambda state: None, next_prompts=None)  # no step is launched
     workers = SimpleNamespace(actor_rollout=_FakeActorGroup(skipped), critic=None)
-    return RayPPOTrainer(cfg, sizes=derive_sizes(cfg), data=data, workers=workers, reward=None, tracker=None, model_config={})
+    sizes = derive_sizes(cfg)
+    return RayPPOTrainer(cfg, sizes=sizes, data=data, workers=workers, reward=None, tracker=None, model_config={},
+                         old_log_probs=old_log_prob_source(cfg, sizes))
 
 
 def _update(trainer):

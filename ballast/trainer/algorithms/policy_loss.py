@@ -8,7 +8,8 @@ values.
 Rollout correction (`ActorLossConfig.rollout_correction`, see `rollout_correction`) enters here in
 two ways. Decoupled mode: the driver has put importance weights (`rollout_is_weights`, not yet
 batch-normalised) and the rejection into the mask; every policy loss multiplies its per-token loss by
-the weights (verl's `rollout_is_weights` argument). Bypass mode: the old log-probs ARE the rollout's;
+the weights (verl's `rollout_is_weights` argument). Bypass mode: the old policy IS the rollout's, whose
+log-probs the loss reads from their own column (`rollout_log_probs`; the batch has no `old_log_probs`);
 weights and rejection are computed here from the current log-probs, and the loss is PPO-clip against
 the rollout policy (`ppo_clip`) or REINFORCE with explicit weights (`reinforce`). Either way the
 batch normaliser is the mini-batch-global mean of the weights, a `MiniBatchStatistic` the engine sums
@@ -163,7 +164,8 @@ def reinforce_policy_loss(*, log_prob, rollout_log_prob, advantages, response_ma
 class ISNormaliser:
     """The batch normaliser of the rollout IS weights as a `MiniBatchStatistic`: per row (numerator,
     count) terms summed over the whole mini-batch. Decoupled mode reads the terms the driver stored
-    with the weights; bypass mode computes them from the current log-probs (a forward-only pass)."""
+    with the weights; bypass mode computes them from the current log-probs against the rollout's (a
+    forward-only pass)."""
 
     corr: RolloutCorrection
     keys: Tuple[str, str] = ("rollout_is_norm_sum", "rollout_is_norm_count")
@@ -177,7 +179,7 @@ class ISNormaliser:
             return tuple(micro[key].to(torch.float64).sum() for key in self.keys)
         log_prob = outputs["log_probs"]
         mask = micro["response_mask"]
-        weights = is_weights(log_prob - micro["old_log_probs"].to(log_prob.dtype), mask, self.corr).weights
+        weights = is_weights(log_prob - micro["rollout_log_probs"].to(log_prob.dtype), mask, self.corr).weights
         return tuple(normaliser_sums(weights, mask, self.corr.rollout_is))
 
     def mean(self, norm) -> float:
@@ -221,7 +223,8 @@ def actor_loss(outputs: Dict[str, torch.Tensor], micro, norm, *, cfg: ActorLossC
     mask = micro["response_mask"].to(log_prob.dtype)
     corr = cfg.rollout_correction
     if corr is not None and corr.bypass_mode:
-        pg_loss, metrics = bypass_policy_loss(log_prob=log_prob, rollout_log_prob=micro["old_log_probs"],
+        # the rollout's log-probs are the old policy here, read from the column that holds them
+        pg_loss, metrics = bypass_policy_loss(log_prob=log_prob, rollout_log_prob=micro["rollout_log_probs"],
                                               advantages=micro["advantages"], response_mask=mask, norm=norm, cfg=cfg)
     else:
         weights = None

@@ -27,7 +27,7 @@ from ballast.trainer.config.pipeline import pipeline_shape
 from ballast.trainer.config.schema import OptimSection
 from ballast.trainer.run.reward_model import RewardModelRun, reward_model_run
 from ballast.trainer.step.reward import OverlongBuffer
-from ballast.trainer.step.rollout_correction import loss_correction, rollout_correction_settings
+from ballast.trainer.step.old_log_probs import OldLogProbSource
 from ballast.workers.agent_loop.config import AgentLoopSpec, MultiTurnConfig
 from ballast.workers.rollout import RolloutConfig, SamplingConfig
 from ballast.workers.spec import ActorRolloutRefSpec, CriticSpec, TrainLoopSpec, WeightSyncSpec
@@ -51,12 +51,14 @@ class WorkerSpecs:
     reward_model: Optional[RewardModelRun] = None  # `reward.reward_model.enable`
 
 
-def worker_specs(cfg: BallastConfig, sizes: DerivedSizes, total_steps: int) -> WorkerSpecs:
-    """Every worker spec, or the first `ConfigError` (naming a config key) met on the way."""
+def worker_specs(cfg: BallastConfig, sizes: DerivedSizes, total_steps: int,
+                 old_log_probs: OldLogProbSource) -> WorkerSpecs:
+    """Every worker spec, or the first `ConfigError` (naming a config key) met on the way;
+    `old_log_probs` is the run's (`RunPlan.old_log_probs`), whose correction settings the actor loss takes."""
     # The schedule advances once per update call, as verl's: `parameter_sync_step` local updates per step
     # stretch its horizon by the same factor (verl sets optim.total_training_steps = steps x local updates).
     schedule_steps = total_steps * overlap(cfg).local_updates
-    trainer = actor_rollout_ref_spec(cfg, sizes, schedule_steps)
+    trainer = actor_rollout_ref_spec(cfg, sizes, schedule_steps, old_log_probs)
     critic = critic_spec(cfg, sizes, schedule_steps) if sizes.critic is not None else None
     rm = reward_model_run(cfg, sizes.world_size, sizes.max_seq_len_tokens)
     if not split_pools(cfg):
@@ -239,7 +241,9 @@ def check_agent_files(spec: AgentLoopSpec) -> None:
                           f"registered: {loops}")
 
 
-def actor_loss_config(cfg: BallastConfig) -> ActorLossConfig:
+def actor_loss_config(cfg: BallastConfig, old_log_probs: OldLogProbSource) -> ActorLossConfig:
+    """The actor loss's settings: the actor's keys, and the rollout correction the run's old-log-prob
+    source parsed (`old_log_probs.loss_correction`)."""
     a = cfg.actor_rollout_ref.actor
     return ActorLossConfig(
         loss_mode=a.policy_loss.loss_mode, clip_ratio_low=a.clip_ratio_low if a.clip_ratio_low is not None else a.clip_ratio,
@@ -247,18 +251,19 @@ def actor_loss_config(cfg: BallastConfig) -> ActorLossConfig:
         clip_ratio_c=a.clip_ratio_c, loss_agg_mode=str(a.loss_agg_mode), loss_scale_factor=a.loss_scale_factor,
         entropy_coeff=a.entropy_coeff,
         use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type,
-        rollout_correction=loss_correction(rollout_correction_settings(cfg)),
+        rollout_correction=old_log_probs.loss_correction,
     )
 
 
-def actor_rollout_ref_spec(cfg: BallastConfig, sizes: DerivedSizes, schedule_steps: int) -> ActorRolloutRefSpec:
+def actor_rollout_ref_spec(cfg: BallastConfig, sizes: DerivedSizes, schedule_steps: int,
+                           old_log_probs: OldLogProbSource) -> ActorRolloutRefSpec:
     arr = cfg.actor_rollout_ref
     actor = arr.actor
     temperature = arr.rollout.temperature if arr.rollout.do_sample else 1.0
     actor_engine = _engine(cfg, "actor", arr.model, sizes.actor.sp_size, actor.grad_clip,
                            engine_optim(actor.optim, schedule_steps, "actor_rollout_ref.actor.optim"))
     train = TrainLoopSpec(
-        loss_fn=make_actor_loss(actor_loss_config(cfg)), temperature=temperature,
+        loss_fn=make_actor_loss(actor_loss_config(cfg, old_log_probs)), temperature=temperature,
         calculate_entropy=actor.entropy_coeff > 0 or actor.calculate_entropy,
         grad_clip_min_batch_size=actor.grad_clip_min_batch_size if actor.grad_clip_adaptive else None,
     )

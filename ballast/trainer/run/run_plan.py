@@ -19,16 +19,18 @@ from ballast.trainer.algorithms.kl import make_kl_controller
 from ballast.trainer.run.builders import WorkerSpecs, worker_specs
 from ballast.trainer.config import BallastConfig, ConfigError, DerivedSizes, ModelInfo, check_rules, derive_sizes
 from ballast.trainer.config.validate import one_of
+from ballast.trainer.step.old_log_probs import OldLogProbSource, old_log_prob_source
 from ballast.trainer.run.tracking import LOGGERS
 
 
 @dataclass(frozen=True)
 class RunPlan:
-    """Sizes and worker specs of one run, for `total_steps` training steps."""
+    """Sizes, old-log-prob source and worker specs of one run, for `total_steps` training steps."""
 
     sizes: DerivedSizes
     specs: WorkerSpecs
     total_steps: int
+    old_log_probs: OldLogProbSource  # where the old policy's log-probs come from; owns the rollout correction
 
 
 def plan_run(cfg: BallastConfig, model: Optional[ModelInfo], total_steps: int) -> RunPlan:
@@ -38,7 +40,9 @@ def plan_run(cfg: BallastConfig, model: Optional[ModelInfo], total_steps: int) -
     # The caller counts the steps from keys `check_rules` has just checked (total_epochs, total_training_steps).
     assert total_steps >= 1, f"total_steps={total_steps}"
     sizes = derive_sizes(cfg, model)
-    return RunPlan(sizes=sizes, specs=worker_specs(cfg, sizes, total_steps), total_steps=total_steps)
+    source = old_log_prob_source(cfg, sizes)  # the one parse of algorithm.rollout_correction
+    return RunPlan(sizes=sizes, specs=worker_specs(cfg, sizes, total_steps, source), total_steps=total_steps,
+                   old_log_probs=source)
 
 
 def _check_registered_names(cfg: BallastConfig) -> None:

@@ -26,16 +26,18 @@ Timer = Callable[[str], ContextManager]
 
 
 def rewards_and_advantages(batch: Batch, alg, kl_ctrl, correction: RolloutCorrectionPhase,
-                           timer: Timer) -> Dict[str, float]:
+                           timer: Timer, old_log_probs: str = "old_log_probs") -> Dict[str, float]:
     """Write `token_level_rewards`, the correction's columns (and its `response_mask`), `advantages`
     and `returns` into `batch`, in the module docstring's order; returns the KL and correction metrics.
-    `alg` is the config's `algorithm` section; `kl_ctrl` is updated with this step's KL."""
+    `alg` is the config's `algorithm` section; `kl_ctrl` is updated with this step's KL; `old_log_probs`
+    names the column of the old policy's log-probs (`OldLogProbSource.column`: the rollout's in bypass
+    mode), what the in-reward KL measures against the reference."""
     metrics: Dict[str, float] = {}
     with timer("adv"):
         rewards = batch["token_level_scores"]
         if alg.use_kl_in_reward:
             mask = batch["response_mask"].float()
-            kld = kl_penalty(batch["old_log_probs"], batch["ref_log_prob"], alg.kl_penalty) * mask
+            kld = kl_penalty(batch[old_log_probs], batch["ref_log_prob"], alg.kl_penalty) * mask
             rewards, metrics = apply_kl_in_reward(rewards, kld, mask, kl_ctrl)
         batch["token_level_rewards"] = rewards
     with timer("rollout_corr"):

@@ -1,12 +1,15 @@
 """The driver's side of rollout correction: settings from the config, and what each step does with them.
 
-`algorithm.rollout_correction` (verl's keys) is parsed and checked once at start-up
-(`rollout_correction_settings`, errors name the key). Per step (`RolloutCorrectionPhase`):
+`algorithm.rollout_correction` (verl's keys) is parsed and checked by `rollout_correction_settings`
+(errors name the key), called once per run, by `ballast.trainer.step.old_log_probs.old_log_prob_source`:
+the run's `OldLogProbSource` owns the result, and everything else takes the settings from it. Per
+step (`RolloutCorrectionPhase`):
 
-* bypass mode: the rollout's log-probs become `old_log_probs` before anything reads them (the reward
-  KL, the loss) and no old-log-prob pass runs (`OldLogProbMode.ROLLOUT`); the loss computes weights
-  and rejection from the policy being trained, and the update returns the log-probs each row had
-  when it was trained, from which the metrics are computed here;
+* bypass mode: the rollout's log-probs are the old policy, read from their own column,
+  `rollout_log_probs`, by everything that needs the old policy (the reward KL, the loss); no
+  old-log-prob pass runs (`OldLogProbMode.ROLLOUT`) and no `old_log_probs` column exists; the loss
+  computes weights and rejection from the policy being trained, and the update returns the log-probs
+  each row had when it was trained, from which the metrics are computed here;
 * decoupled mode with a correction: after the ONE old-log-prob pass and before the advantages (as
   verl), every row gets its importance weights (`rollout_is_weights`, not batch-normalised, with the
   row's terms of the batch mean: `rollout_is_norm_sum` / `_count`) and the rejection is applied to
@@ -88,11 +91,6 @@ class RolloutCorrectionPhase:
     @property
     def bypass(self) -> bool:
         return self.corr.bypass_mode
-
-    def before_old_log_probs(self, batch: Batch) -> None:
-        """Bypass mode: the rollout policy is the old policy."""
-        if self.bypass:
-            batch["old_log_probs"] = batch["rollout_log_probs"].clone()
 
     def before_advantages(self, batch: Batch) -> Dict[str, float]:
         """Decoupled mode with a correction: weights and rejection from the old log-probs; metrics."""

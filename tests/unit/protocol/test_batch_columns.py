@@ -39,7 +39,7 @@ from ballast.trainer.algorithms.rollout_correction import parse_rollout_correcti
 from ballast.trainer.ray_trainer import RayPPOTrainer
 from ballast.trainer.run.data import collated_to_batch
 from ballast.trainer.step.advantage_phase import rewards_and_advantages
-from ballast.trainer.step.old_log_probs import OldLogProbPhase
+from ballast.trainer.step.old_log_probs import run_pass, take_from_update
 from ballast.trainer.step.rollout_correction import RolloutCorrectionPhase
 from ballast.workers.actor_rollout_ref import ActorRolloutRefWorker, engine_input
 from ballast.workers.agent_loop.base import AgentLoopOutput, StopReason
@@ -150,9 +150,9 @@ def _step(rec: Recorder) -> None:
     actor = SimpleNamespace(compute_log_prob=lambda b, p: ActorRolloutRefWorker.compute_log_prob(worker, b, p))
     rec.returned(F.ACTOR, actor.compute_log_prob(batch[plan.rows], plan).batch)
     with rec.writing(F.ACTOR, batch):
-        OldLogProbPhase.run_pass(None, actor, batch, plan)
+        run_pass(actor, batch, plan)
         zeros = torch.zeros(batch["responses"].shape)
-        OldLogProbPhase.take_from_update(batch, [UpdateResult({}, [[1]], old_log_probs=zeros, entropy=zeros)], plan)
+        take_from_update(batch, [UpdateResult({}, [[1]], old_log_probs=zeros, entropy=zeros)], plan)
     ref = lambda b, p: rec.returned(F.REF, ActorRolloutRefWorker.compute_ref_log_prob(worker, b, p))
     with rec.writing(F.REF, batch):
         RayPPOTrainer.infer(batch, ref, plan)
@@ -177,7 +177,6 @@ def _correct(rec: Recorder, batch: Batch, plan) -> None:
                                                              rollout_is="token"))
     fresh = batch.select(["responses", "response_mask", "rollout_log_probs", "attention_mask"])
     with rec.writing(F.CORRECTION, fresh):
-        bypass.before_old_log_probs(fresh)
         rows = np.concatenate([plan.partitions(m)[0] for m in range(len(plan.mini_batches))])
         bypass.after_update(fresh, plan, [SimpleNamespace(train_log_probs=fresh["rollout_log_probs"][torch.as_tensor(rows)])])
 
@@ -260,7 +259,8 @@ def _loss_batch(rows=4, width=RESPONSE_LEN) -> Batch:
 def test_the_losses_need_no_column_beyond_what_the_table_says_they_read(settings):
     batch = _loss_batch()
     micro = engine_input(batch, F.columns_read_by(F.ACTOR_LOSS))
-    assert "rollout_log_probs" not in micro.keys() and "entropy" not in micro.keys()  # not loss inputs
+    assert "entropy" not in micro.keys()  # not a loss input
+    assert "rollout_log_probs" in micro.keys()  # bypass mode's old policy
     outputs = {"log_probs": -torch.rand(micro["responses"].shape), "entropy": torch.rand(micro["responses"].shape)}
     loss_fn = make_actor_loss(ActorLossConfig(**settings))
     norm = GlobalNorm.local(micro["response_mask"])

@@ -198,12 +198,12 @@ def test_bypass_loss_and_gradient_match_verl(name, correction, agg):
     assert (stat is not None) == corr.normalises_in_loss
     cuts = (slice(0, 6), slice(6, B))
     if stat is not None:
-        sums = [stat({"log_probs": log_prob_b[c].detach()}, {"old_log_probs": rollout[c], "response_mask": mask[c]})
+        sums = [stat({"log_probs": log_prob_b[c].detach()}, {"rollout_log_probs": rollout[c], "response_mask": mask[c]})
                 for c in cuts]
         norm = norm.with_stats({k: float(sum(s[i] for s in sums)) for i, k in enumerate(stat.keys)})
     got_loss, got_kl = 0.0, 0.0
     for c in cuts:
-        micro = {"old_log_probs": rollout[c], "advantages": advantages[c], "response_mask": mask[c]}
+        micro = {"rollout_log_probs": rollout[c], "advantages": advantages[c], "response_mask": mask[c]}
         part, metrics = actor_loss({"log_probs": log_prob_b[c]}, micro, norm, cfg=cfg)
         got_loss, got_kl = got_loss + part, got_kl + float(metrics["actor/ppo_kl"])
     got_loss.backward()

@@ -105,6 +105,7 @@ ASYNC_ROLLOUT = "actor_rollout_ref.rollout.mode=async"
 def test_separate_async_resumes_interrupted_generations_by_default_as_verl(capsys):
     from ballast.trainer.config import derive_sizes
     from ballast.trainer.run.builders import worker_specs
+    from ballast.trainer.step.old_log_probs import old_log_prob_source
 
     cfg = _load(*SPLIT, ASYNC_ROLLOUT, "trainer.n_gpus_per_node=4", "actor_rollout_ref.actor.use_dynamic_bsz=True",
                 "actor_rollout_ref.rollout.n=8")
@@ -114,7 +115,7 @@ def test_separate_async_resumes_interrupted_generations_by_default_as_verl(capsy
     assert "samples up to 1 update(s) old" in capsys.readouterr().out
     sizes = derive_sizes(cfg)
     assert sizes.world_size == 4 and sizes.rollout_dp == 2 and sizes.rollout_samples_per_rank == 8 * 8 // 2
-    specs = worker_specs(cfg, sizes, total_steps=10)
+    specs = worker_specs(cfg, sizes, 10, old_log_prob_source(cfg, sizes))
     trainer, rollout = specs.actor_rollout_ref, specs.rollout
     assert trainer.actor is not None and trainer.rollout is None and trainer.agent is None
     assert rollout.actor is None and rollout.ref is None and rollout.rollout is not None

@@ -6,7 +6,8 @@ import pytest
 
 from ballast.trainer.config import ConfigError, derive_sizes, load_config
 from ballast.trainer.config.model_info import ModelInfo
-from ballast.trainer.run.builders import worker_specs
+from ballast.trainer.run.builders import worker_specs as _worker_specs
+from ballast.trainer.step.old_log_probs import old_log_prob_source
 
 BASE = ["data.train_files=/data/train.parquet", "actor_rollout_ref.model.path=/models/tiny",
         "trainer.n_gpus_per_node=4", "data.train_batch_size=8", "actor_rollout_ref.rollout.n=4",
@@ -23,6 +24,11 @@ MODEL = ModelInfo(num_attention_heads=4, num_key_value_heads=2, hidden_size=64, 
 
 def _cfg(*overrides):
     return load_config(BASE + list(overrides))
+
+
+def worker_specs(cfg, sizes, total_steps):
+    """The worker specs as `plan_run` builds them, with the run's old-log-prob source."""
+    return _worker_specs(cfg, sizes, total_steps, old_log_prob_source(cfg, sizes))
 
 
 def _sizes(*overrides, model=MODEL):

@@ -86,9 +86,9 @@ def test_verl_example_command_lines_validate_unchanged(name, line):
     if name == "ppo":
         assert plan.specs.critic.critic.cpu_offload is False
     if name == "grpo":
-        assert spec.ref.cpu_offload is True and actor_loss_config(cfg).use_kl_loss
+        assert spec.ref.cpu_offload is True and actor_loss_config(cfg, plan.old_log_probs).use_kl_loss
     if name == "dapo":
-        loss = actor_loss_config(cfg)
+        loss = actor_loss_config(cfg, plan.old_log_probs)
         assert (loss.clip_ratio_low, loss.clip_ratio_high, loss.clip_ratio_c) == (0.2, 0.28, 10.0)
         assert cfg.algorithm.filter_groups.metric == "acc" and cfg.reward_model.overlong_buffer.len == 4096
         assert cfg.data.gen_batch_size == 1536

@@ -146,7 +146,7 @@ def test_accepted_verl_keys_reach_the_loss_and_the_update():
                           "actor_rollout_ref.actor.data_loader_seed=7", "critic.data_loader_seed=7",
                           "data.truncation=middle",
                           "actor_rollout_ref.rollout.mode=sync")
-    assert actor_loss_config(cfg).loss_scale_factor == 512
+    assert actor_loss_config(cfg, plan.old_log_probs).loss_scale_factor == 512
     assert plan.specs.actor_rollout_ref.actor_train.calculate_entropy is True
     _, plan = _checked("algorithm.adv_estimator=gae", "actor_rollout_ref.actor.loss_scale_factor=64")
     critic = plan.specs.critic

@@ -20,8 +20,8 @@ from ballast.trainer.ray_trainer import RayPPOTrainer
 from ballast.trainer.run.builders import actor_loss_config
 from ballast.trainer.step.local_updates import merge_local_metrics, share_rows
 from ballast.trainer.step.monitor import BalanceMonitor
-from ballast.trainer.step.old_log_probs import OldLogProbPhase
-from ballast.trainer.step.rollout_correction import RolloutCorrectionPhase, rollout_correction_settings
+from ballast.trainer.step.old_log_probs import old_log_prob_source
+from ballast.trainer.step.rollout_correction import RolloutCorrectionPhase
 from ballast.workers.on_policy import OldLogProbMode
 from ballast.workers.train_loop import UpdateResult
 
@@ -103,10 +103,10 @@ def _trainer(*overrides):
     sizes = derive_sizes(cfg)
     trainer = object.__new__(RayPPOTrainer)
     trainer.cfg, trainer.sizes, trainer.workload, trainer.overlap = cfg, sizes, "tokens", overlap(cfg)
-    trainer.correction = RolloutCorrectionPhase(rollout_correction_settings(cfg))
-    trainer.old_log_probs = OldLogProbPhase(cfg, sizes, trainer.correction.corr)
+    trainer.old_log_probs = old_log_prob_source(cfg, sizes)
+    trainer.correction = RolloutCorrectionPhase(trainer.old_log_probs.correction)
     trainer.kl_ctrl = make_kl_controller("fixed", 0.001, 0.1, 10000)
-    trainer.actor_loss_cfg = actor_loss_config(cfg)
+    trainer.actor_loss_cfg = actor_loss_config(cfg, trainer.old_log_probs)
     trainer.global_step, trainer._nonfinite_in_a_row = 0, 0
     trainer.monitor = BalanceMonitor(None, 10, False, 100, 256)
     trainer.workers = SimpleNamespace(actor_rollout=_Actor(), critic=_Critic(), objectives={})
