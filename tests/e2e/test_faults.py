@@ -56,7 +56,7 @@ def _driver(tmp_path, skipped, limit, *extra):
                                 *extra))
     data = SimpleNamespace(total_steps=10, state_dict=lambda: {"epoch": 0, "position": 0},
                            load_state_dict=lambda state: None, next_prompts=None)  # no step is launched
-    workers = SimpleNamespace(actor_rollout=_FakeActorGroup(skipped), critic=None)
+    workers = SimpleNamespace(actor_rollout=_FakeActorGroup(skipped), critic=None, rollout=None)
     sizes = derive_sizes(cfg)
     return RayPPOTrainer(cfg, sizes=sizes, data=data, workers=workers, reward=None, tracker=None, model_config={},
                          old_log_probs=old_log_prob_source(cfg, sizes))
