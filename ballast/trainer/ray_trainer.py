@@ -66,7 +66,7 @@ from ballast.trainer.step.plans import StepPlanner, epoch_partitions, plan_metri
 from ballast.workers.actor_rollout_ref import GENERATE_SECONDS_METRIC
 from ballast.workers.spec import GenerateArgs
 from ballast.trainer.step.rollout_recovery import RECOVERIES_METRIC, RECOVERY_SECONDS_METRIC, rollout_recovery
-from ballast.workers.weight_sources import PARTIAL_LOADS_METRIC, UPDATE_WEIGHTS_METRIC
+from ballast.workers.weight_sources import PARTIAL_LOADS_METRIC, SERVED_VERSION_METRIC, UPDATE_WEIGHTS_METRIC
 from ballast.workers.sync_check import METRIC_PREFIX as SYNC_CHECK_PREFIX
 from ballast.workers.agent_loop.metrics import agent_metrics
 from ballast.workers.rollout.base import validation_call_index
@@ -360,6 +360,9 @@ class RayPPOTrainer:
         recovery_s = sum(out.metrics.get(RECOVERY_SECONDS_METRIC, []))
         if recovery_s:
             timing["rollout_recovery"] = timing.get("rollout_recovery", 0.0) + recovery_s
+        served = out.metrics.get(SERVED_VERSION_METRIC)
+        if served:
+            metrics[f"{SERVED_VERSION_METRIC}/min"] = min(served)
         busy = out.metrics.get(GENERATE_SECONDS_METRIC)
         if busy:
             timing["gen_workers"] = timing.get("gen_workers", 0.0) + max(busy)

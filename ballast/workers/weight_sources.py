@@ -34,6 +34,9 @@ from ballast.workers.sync_check import SyncCheck, probe_tokens
 
 UPDATE_WEIGHTS_METRIC = "timing_s/update_weights"
 PARTIAL_LOADS_METRIC = "rollout/partial/weight_loads"
+# a rollout pool of its own: the weight version each worker served at the end of a call (-1: the
+# model directory's); the driver logs the lowest, so a worker left behind shows
+SERVED_VERSION_METRIC = "rollout/served_version"
 
 Metrics = Dict[str, list]
 
@@ -161,6 +164,9 @@ class StoredExportWeights(WeightSource):
     def rebind(self, backend) -> None:
         self.backend, self.version, self._reload = backend, -1, self._served
 
+    def after(self, metrics: Metrics) -> None:
+        metrics[SERVED_VERSION_METRIC] = [float(self.version)]  # the driver logs every worker's lowest
+
     def load(self, weights: StoredWeights) -> Metrics:
         """Stream an export in from the object store, then check it against the trainer's probe log-probs
         when the export carries them (the check is calibrated before the first load, while the engine
@@ -203,6 +209,7 @@ class MailboxWeights(StoredExportWeights):
         if self._updates is not None:
             add_metrics(metrics, self._midway)
             metrics[PARTIAL_LOADS_METRIC] = [float(self._updates.loads)]
+        super().after(metrics)
 
 
 def add_metrics(into: Metrics, more: Metrics) -> None:

@@ -95,6 +95,9 @@ def test_a_rollout_worker_killed_or_hung_mid_generation_costs_the_run_nothing(fa
     run = run_in_process(tiny_task, run_dir(tmp_path, "faulty"), *AHEAD, *WHOLE_BATCHES, *extra,
                          "ray_init.worker_env_vars=[BALLAST_ROLLOUT_FAULT]")
     assert run.trained == uninterrupted.trained
+    # every batch generated under the same weight version as without the fault (the replacement did not
+    # serve the model directory's weights); compared with the other metrics below, checked present here
+    assert [r["rollout/served_version/min"] for r in uninterrupted.rows] == [0.0, 0.0, 1.0, 2.0, 3.0]
     assert [r["rollout/recoveries"] for r in run.rows].count(1.0) == 1 and sum(r["rollout/recoveries"] for r in run.rows) == 1
     for straight, again in zip(uninterrupted.rows, run.rows):
         expected, got = deterministic(straight), deterministic(again)

@@ -77,4 +77,4 @@ def test_only_training_generations_look_into_the_mailbox():
     assert source.during(GenerateArgs(call_index=0)).version == -1
     metrics = {}
     source.after(metrics)
-    assert metrics == {"rollout/partial/weight_loads": [0.0]}
+    assert metrics == {"rollout/partial/weight_loads": [0.0], "rollout/served_version": [-1.0]}
