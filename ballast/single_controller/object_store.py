@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import ray
 import torch
@@ -77,10 +77,13 @@ class WeightMailbox:
     """The newest exported weights, where rollout workers look for them during a generation (partial
     rollouts: `trainer.ballast_overlap.partial_rollout`). The driver posts every export; a worker
     asks for anything newer than what it serves. Only the newest export is kept (its buckets stay in
-    the object store while referenced here or by a worker loading them)."""
+    the object store while referenced here or by a worker loading them), and, for a TP group's
+    followers, the export its leader switches to (`hold`, `take`): by the time they ask, a newer one
+    may have been posted."""
 
     def __init__(self) -> None:
         self._latest: Optional[StoredWeights] = None
+        self._held: Dict[int, Tuple[StoredWeights, int]] = {}  # version -> (export, takes still to come)
 
     def post(self, weights: StoredWeights) -> None:
         if self._latest is None or weights.version > self._latest.version:
@@ -89,6 +92,28 @@ class WeightMailbox:
     def newer_than(self, version: int) -> Optional[StoredWeights]:
         latest = self._latest
         return latest if latest is not None and latest.version > version else None
+
+    def hold(self, weights: StoredWeights, takers: int) -> int:
+        """Keep `weights` until `takers` more `take`s of them; returns the key to take them by. The
+        export comes back from the worker that got it (an actor-call argument, so that Ray counts this
+        actor as a holder of its buckets): the mailbox may have dropped it since. A taker that never
+        comes (its rank died mid-call) leaves the export held until the mailbox goes."""
+        if takers < 1:
+            raise ValueError(f"takers={takers} must be >= 1")
+        _, pending = self._held.get(weights.version, (weights, 0))
+        self._held[weights.version] = (weights, pending + takers)
+        return weights.version
+
+    def take(self, key: int) -> StoredWeights:
+        """One take of what `hold` keeps under `key` (the last one lets go of it)."""
+        if key not in self._held:
+            raise KeyError(f"no held export under key {key} (held: {sorted(self._held)}): every take needs a hold")
+        weights, pending = self._held[key]
+        if pending > 1:
+            self._held[key] = (weights, pending - 1)
+        else:
+            del self._held[key]
+        return weights
 
 
 class MailboxUpdates:
@@ -115,3 +140,13 @@ class MailboxUpdates:
         self.version = weights.version
         self.loads += 1
         return self.version
+
+    def share(self, weights: StoredWeights, takers: int) -> int:
+        """A TP leader's side of a switch: leave `weights` at the mailbox for `takers` followers; the key
+        they `take` them by. Object references only resolve in a process that got them through Ray, so
+        the export cannot travel over the TP group itself."""
+        return ray.get(self.mailbox.hold.remote(weights, takers))
+
+    def take(self, key: int) -> StoredWeights:
+        """A TP follower's side: the export its leader shared under `key`."""
+        return ray.get(self.mailbox.take.remote(key))

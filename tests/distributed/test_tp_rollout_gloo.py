@@ -3,7 +3,8 @@ real gloo group of 3 processes, no vLLM: uneven rows and widths and an empty ran
 fed the same requests in the same order, every rank getting back what generating its own prompts alone
 gives, arguments that differ between ranks and invalid prompts on one rank failing on every rank; and
 partial rollouts, where the leader switches weights mid-call and every rank must switch between the
-same two engine steps, so that each token's recorded version is the one that sampled it on every rank."""
+same two engine steps, so that each token's recorded version is the one that sampled it on every rank,
+each follower taking the weights from its own source (they cannot be pickled over the group)."""
 
 import os
 import socket
@@ -85,21 +86,39 @@ class StepwiseCore:
 VERSION_TOKEN = 40  # a token sampled under weight version v is VERSION_TOKEN + v
 
 
+class Weights:
+    """A weight version that, like an export's Ray object references, is only good in the process whose
+    source handed it out: it refuses to be pickled, so it cannot travel over the TP group."""
+
+    def __init__(self, version):
+        self.version = version
+
+    def __reduce__(self):
+        raise TypeError("weights must reach a TP follower through its own source, not over the TP group")
+
+
 class Updates:
-    """Weights (a version number) that become newer after the leader's second engine step; only the
-    leader is asked for them, every rank loads them."""
+    """Weights that become newer after the leader's second engine step; only the leader is asked for
+    them, it shares them with its followers, every rank loads them (the followers take them by key)."""
 
     def __init__(self, backend):
-        self.backend, self.version = backend, 0
+        self.backend, self.version, self.shared = backend, 0, []
 
     def newer(self):
         steps = sum(1 for entry in self.backend.log if entry[0] == "step")
-        return self.version + 1 if steps in (2, 3) and self.version < steps - 1 else None
+        return Weights(self.version + 1) if steps in (2, 3) and self.version < steps - 1 else None
+
+    def share(self, weights, takers):
+        self.shared.append((weights.version, takers))
+        return weights.version
+
+    def take(self, key):
+        return Weights(key)
 
     def load(self, weights):
-        self.backend.log.append(("load", weights))
-        self.backend.version = self.version = weights
-        return weights
+        self.backend.log.append(("load", weights.version))
+        self.backend.version = self.version = weights.version
+        return weights.version
 
 
 class RowWiseBackend:
@@ -136,8 +155,10 @@ def _rank_main(rank, port, out_dir):
             errors[name] = None
         except (ValueError, RuntimeError) as err:
             errors[name] = str(err)
-    partial = runner.generate(Batch(mine), call_index=4, updates=Updates(backend))
+    updates = Updates(backend)
+    partial = runner.generate(Batch(mine), call_index=4, updates=updates)
     torch.save({"partial": partial.tensors.to_dict(), "log": backend.log, "version": backend.version,
+                "shared": updates.shared,
                 "out": out.tensors.to_dict(), "turns": out.columns["agent_num_turns"].tolist(),
                 "mine": mine.to_dict(), "alone": None if alone is None else alone.tensors.to_dict(),
                 "requests": requests, "calls": backend.num_calls, **errors}, os.path.join(out_dir, f"{rank}.pt"))
@@ -189,6 +210,8 @@ def test_tp_rollout_over_gloo(tmp_path):
     assert [e[0] for e in res[0]["log"]] == ["step", "step", "load", "step", "load", "step"]
     for r in range(WORLD):
         assert res[r]["log"] == res[0]["log"] and res[r]["version"] == 2
+        # only the leader shared them, once per switch, for its 2 followers
+        assert res[r]["shared"] == ([(1, WORLD - 1), (2, WORLD - 1)] if r == 0 else [])
         part = res[r]["partial"]
         real = part["response_mask"].bool()
         assert real.sum() == 4 * len(PROMPTS[r])

@@ -408,23 +408,12 @@ ROW_CHECKS = {
 }
 
 
-# Rows that find a bug not fixed yet, skipped so that the suite does not wait out their hang.
-KNOWN_FAILURES = {
-    3: "partial rollouts at rollout TP 2 hang at the first mid-call weight switch: the TP leader broadcasts the "
-       "StoredWeights (Ray object refs) with torch.distributed.broadcast_object_list and the follower's ray.get "
-       "of the buckets never returns (agent_loop/tp.py LeadingUpdates.load / _follow), while the leader waits "
-       "in the weight-sync probe's TP all-reduce",
-}
-
-
 @pytest.mark.parametrize("index", range(len(ROWS)), ids=[
     f"{i}-{r.weights}-{r.agent}-{r.mode}-tp{r.rollout_tp}-{r.algorithm}" for i, r in enumerate(ROWS)])
 def test_row(index, session, tool_models, tmp_path, capfd):
     row = ROWS[index]
     if row.rollout_tp == 2:
         pytest.importorskip("vllm")
-    if index in KNOWN_FAILURES:
-        pytest.skip(KNOWN_FAILURES[index])
     extra, before, after = ROW_CHECKS[index]
     overrides = [*row_overrides(row, tool_models, tmp_path), *extra]
     with session("run", *overrides) as trainer:

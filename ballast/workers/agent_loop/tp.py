@@ -15,14 +15,18 @@ peer's turn), which differs from rank to rank. So within a TP group:
 Seeds are per request, so every rank samples the same tokens; the leader's result is what all
 ranks computed. The collectives run on the TP group (gloo), one small broadcast per engine step.
 Partial rollouts: only the leader looks for newer weights. When it switches (`resume.ResumingCore`:
-interrupt everything, load, re-add the continuations), it announces the weights it loads before
-loading them; each follower drops its requests and loads the same weights from its own source, so
-the whole group changes weights between the same two engine steps, and the continuations arrive with
-the next step's requests. The versions the leader records for each token are then every rank's.
+interrupt everything, load, re-add the continuations), it leaves the weights it loads with its source
+for its followers (`SharedUpdates.share`) and announces their key before loading them; each follower
+drops its requests and takes the same weights from its own source, so the whole group changes weights
+between the same two engine steps, and the continuations arrive with the next step's requests. The
+versions the leader records for each token are then every rank's. The weights themselves never
+travel over the TP group: an export's Ray object references, pickled there, would not resolve.
 TP groups are runs of consecutive global ranks, the layout vLLM's external_launcher uses.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -102,11 +106,22 @@ class Leading:
         return self.inner.interrupt()
 
 
+class SharedUpdates(WeightUpdates, Protocol):
+    """A weight source a TP group switches together: the leader `share`s the weights it loads with its
+    `takers` followers (returning a small, picklable key), each follower `take`s them by that key."""
+
+    def share(self, weights: object, takers: int) -> object:
+        ...
+
+    def take(self, key: object) -> object:
+        ...
+
+
 class LeadingUpdates:
     """The leader's weight source (partial rollouts): a load is announced to the followers first, with
-    the weights themselves, so that they load the same ones before the same engine step."""
+    the key they take the same weights by, so that they load them before the same engine step."""
 
-    def __init__(self, inner: WeightUpdates, leader: int, group):
+    def __init__(self, inner: SharedUpdates, leader: int, group):
         self.inner, self.leader, self.group = inner, leader, group
 
     @property
@@ -117,7 +132,8 @@ class LeadingUpdates:
         return self.inner.newer()
 
     def load(self, weights) -> int:
-        _broadcast(("load", weights), self.leader, self.group)
+        key = self.inner.share(weights, dist.get_world_size(self.group) - 1)
+        _broadcast(("load", key), self.leader, self.group)
         return self.inner.load(weights)
 
 
@@ -179,7 +195,7 @@ def _own_width(result: AgentRollout, width: int) -> AgentRollout:
     return result
 
 
-def _follow(core: EngineCore, updates: WeightUpdates | None, leader: int, group) -> AgentRollout:
+def _follow(core: EngineCore, updates: SharedUpdates | None, leader: int, group) -> AgentRollout:
     """Replay the leader's engine steps and weight loads on this rank until the leader's result arrives."""
     while True:
         kind, payload = _broadcast(None, leader, group)
@@ -188,9 +204,9 @@ def _follow(core: EngineCore, updates: WeightUpdates | None, leader: int, group)
         if kind == "abort":
             core.abort_all()
             raise RuntimeError(f"the TP leader (rank {leader}) failed its rollout call: {payload}")
-        if kind == "load":  # the leader interrupted its requests and loads these weights now
+        if kind == "load":  # the leader interrupted its requests and loads the weights shared under this key now
             core.abort_all()
-            updates.load(payload)
+            updates.load(updates.take(payload))
             continue
         for request_id, request in payload:
             core.add(request_id, request)
