@@ -17,6 +17,7 @@ when it is on (`ballast.workers.sync_check`).
 
 from __future__ import annotations
 
+import abc
 import time
 from typing import Dict, Optional
 
@@ -41,7 +42,7 @@ SERVED_VERSION_METRIC = "rollout/served_version"
 Metrics = Dict[str, list]
 
 
-class WeightSource:
+class WeightSource(abc.ABC):
     """Per generate call: `before` (bring the engine up to date and awake; the metrics of what it
     loaded), `during` (where newer weights are looked for mid-call; None: nowhere), `after` (fold
     what arrived mid-call into the call's metrics). `start`: at start-up, what the driver reports."""
@@ -49,8 +50,9 @@ class WeightSource:
     def start(self) -> Dict[str, object]:
         return {}
 
+    @abc.abstractmethod
     def before(self, call: GenerateArgs) -> Metrics:
-        raise NotImplementedError
+        """Bring the engine up to date and awake before `call` generates; the metrics of what it loaded."""
 
     def during(self, call: GenerateArgs) -> Optional[WeightUpdates]:
         return None
@@ -58,10 +60,10 @@ class WeightSource:
     def after(self, metrics: Metrics) -> None:
         pass
 
+    @abc.abstractmethod
     def rebind(self, backend) -> None:
         """After an engine failure: `backend` (a new engine, or on a rank whose engine survived, the same
         one) is brought to the weights the failed one served by the next `before`."""
-        raise NotImplementedError
 
     def any_failed(self, failed_here: bool) -> bool:
         """Whether a rank this source ties together had its engine fail in this call (every such rank

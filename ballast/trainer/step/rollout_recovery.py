@@ -105,15 +105,14 @@ class RolloutRecovery:
         in flight on replaced ones, in submission order."""
         with self._lock:
             if failed.generation == self.group.generation:
-                start = time.perf_counter()
-                self._replace(err)
+                failed.seconds += self._replace(err)
                 failed.replacements += 1
-                failed.seconds += time.perf_counter() - start
             for call in self._live:  # in submission order; `failed` is among them
                 if call.generation < self.group.generation:
                     call.future, call.generation = call.resubmit(), self.group.generation
 
-    def _replace(self, err: WorkerError) -> None:
+    def _replace(self, err: WorkerError) -> float:
+        """Replace the pool; the seconds it took."""
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         if self.restarts >= self.config.max_restarts:
             raise RolloutFailedError(
@@ -132,6 +131,7 @@ class RolloutRecovery:
         seconds = time.perf_counter() - start
         print(f"[ballast] rollout pool replaced in {seconds:.1f}s; the calls in flight run again with their own seeds "
               "and weights", flush=True)
+        return seconds
 
 
 def rollout_recovery(workers, config: RolloutRecoveryConfig) -> "RolloutRecovery | None":
